@@ -1,0 +1,1 @@
+"""Token-level contrastive BERT pre-training: model, losses, data, DeepSpeed trainer."""

@@ -1,0 +1,1 @@
+"""Raw English/Chinese corpora to mosaicml-streaming (MDS) shards, in parallel with Ray."""

@@ -1,0 +1,41 @@
+"""Session-wide test environment: CPU DeepSpeed, Ray on loopback, no hub access."""
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_CORPORA = REPO.parent / "shared" / "corpora"
+
+# Set before any test imports deepspeed, ray or transformers.
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# Ray binds the machine's routable address by default; this switch keeps the node and all its
+# services on 127.0.0.1 (see ../shared/ENVIRONMENT.md).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def corpora() -> Path:
+    """../shared/corpora, or a skip with the reason when a fresh clone does not have it."""
+    if not SHARED_CORPORA.is_dir():
+        pytest.skip(f"needs real text in {SHARED_CORPORA} (absent on a fresh clone)")
+    return SHARED_CORPORA
