@@ -109,10 +109,15 @@ def pool_token_indices(total_tokens: int, pool_size: int, *, seed: int, device: 
         return k_P
     low_P = k_P * total_tokens // count
     width_P = (k_P + 1) * total_tokens // count - low_P
-    u_P = torch.rand(count, generator=private_generator(seed, _POOL_STREAM, device=device),
-                     dtype=torch.float64, device=device)
+    u_P = pool_uniforms(seed, count, device=device)
     # min() guards the float rounding of u * width up to width.
     return low_P + torch.minimum((u_P * width_P).long(), width_P - 1)
+
+
+def pool_uniforms(seed: int, count: int, *, device: torch.device) -> torch.Tensor:
+    """The pool draw's uniforms in [0, 1): one per stratum. Out: [count] float64."""
+    generator = private_generator(seed, _POOL_STREAM, device=device)
+    return torch.rand(count, generator=generator, dtype=torch.float64, device=device)
 
 
 def max_pool_rows_per_rank(tokens_per_rank: int, *, world_size: int, pool_size: int) -> int:
