@@ -220,3 +220,71 @@ def sum_over_ranks(x: torch.Tensor, *, group: Optional[dist.ProcessGroup] = None
 def mean_over_ranks(x: torch.Tensor, *, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """The element-wise mean of `x` over the ranks of `group`, detached (for logging metrics)."""
     return sum_over_ranks(x, group=group) / world_size(group)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Trainer helpers: the launch environment before the process group exists, hosts, objects, flags
+# ---------------------------------------------------------------------------------------------------
+
+
+def launch_world_size() -> int:
+    """WORLD_SIZE as the launcher set it (1 without one), readable before the process group exists,
+    so that configuration errors surface before any collective or device work."""
+    env_from_slurm()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def normalize_launch_env() -> None:
+    """Make every launcher look like torchrun to the libraries that read the environment.
+
+    The deepspeed launcher sets LOCAL_SIZE but not LOCAL_WORLD_SIZE, which mosaicml-streaming reads
+    to count ranks per node: without it, streaming takes every rank for a node of its own.
+    """
+    env_from_slurm()
+    env = os.environ
+    if "LOCAL_WORLD_SIZE" not in env and "LOCAL_SIZE" in env:
+        env["LOCAL_WORLD_SIZE"] = env["LOCAL_SIZE"]
+
+
+def local_world_size() -> int:
+    """Processes per node, from the launcher (1 without one)."""
+    normalize_launch_env()
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def default_backend() -> str:
+    """nccl where there are GPUs, gloo on CPU."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def all_gather_object(obj: object) -> list:
+    """Every rank's picklable `obj`, in rank order ([obj] without a process group). For small
+    things only: host names, RNG states."""
+    if not is_distributed():
+        return [obj]
+    out: list = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def node_on_host() -> tuple[int, int, int]:
+    """(node, index of this node among the nodes on this host, number of nodes on this host).
+
+    node = rank // LOCAL_WORLD_SIZE. Several "nodes" share a host when a test or a Slurm set-up with
+    fake nodes starts two launchers on one machine; host-wide resources (shared memory names) must
+    then be told apart per node.
+    """
+    node = rank() // local_world_size()
+    pairs = all_gather_object((hostname(), node))
+    nodes_here = sorted({n for h, n in pairs if h == hostname()})
+    return node, nodes_here.index(node), len(nodes_here)
+
+
+def any_rank_flags(flags: Sequence[bool]) -> list[bool]:
+    """For each flag, True on every rank if it is True on any rank: one collective for several
+    decisions that all ranks must take together (a NaN loss, a pre-emption signal)."""
+    if not is_distributed():
+        return [bool(f) for f in flags]
+    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v > 0) for v in t.tolist()]
