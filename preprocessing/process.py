@@ -1,0 +1,278 @@
+"""One chunk -> one MDS part folder: read, clean, split, tokenise, make samples, write.
+
+Runs inside a Ray task (or in-process). Works block by block (~block_mb of text), so memory
+depends on the block size, not on the chunk or the corpus. Writes into a temporary folder and
+renames it to OUTPUT/part-XXXXX when complete, so a part folder is always whole. Returns the
+chunk's counts, never data.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import resource
+import shutil
+import socket
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from preprocessing.inputs import Chunk
+from preprocessing.mds import COMPRESSION, HASHES, SIZE_LIMIT, columns_for, id_dtype_for, make_fast_writer_class
+from preprocessing.readers import ChunkReader
+from preprocessing.samples import Packer, TokenizedDocs, assemble_nsp, nsp_instances
+from preprocessing.text import clean_text, detect_language, split_sentences
+from preprocessing.tokenization import SentenceEncoder
+from preprocessing.words import word_starts
+
+PART_STATS = "part_stats.json"
+PART_REJECTS = "rejects.jsonl"
+ENCODE_BATCH_CHARS = 1 << 20
+"""Sentences go to the tokenizer in batches of about this many characters: the Rust Encoding
+objects cost ~100 bytes per token, so a whole block at once would cost hundreds of MB."""
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What every chunk task shares (the tokenizer's text travels separately, via the object store)."""
+    output: str
+    remote: str | None
+    fmt: str
+    max_seq_len: int
+    short_seq_prob: float
+    random_next_prob: float
+    seed: int
+    text_field: str
+    block_chars: int
+    tokenizer_sha256: str
+    cls_id: int
+    sep_id: int
+    vocab_size: int
+
+
+@dataclass
+class _Entry:
+    """A document (or, for a document longer than a block, one part of it) ready to tokenise."""
+    doc_id: int
+    lang: str
+    sentences: list[str]
+    line: int
+    multipart: bool
+
+
+_ENCODERS: dict[str, SentenceEncoder] = {}
+
+
+def _encoder(sha: str, tokenizer_json: str) -> SentenceEncoder:
+    """One encoder per tokenizer per worker process: Ray reuses workers across tasks."""
+    if sha not in _ENCODERS:
+        _ENCODERS.clear()
+        _ENCODERS[sha] = SentenceEncoder(tokenizer_json)
+    return _ENCODERS[sha]
+
+
+def block_seed(seed: int, chunk_index: int, block_index: int) -> int:
+    """The NSP random stream of one block: a function of --seed and the block's identity only."""
+    digest = hashlib.sha256(f"{seed}:{chunk_index}:{block_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def process_chunk(chunk: Chunk, spec: TaskSpec, tokenizer_json: str) -> dict:
+    """Build OUTPUT/part-XXXXX for `chunk`; return its stats (also saved as part_stats.json)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one task = one core; Ray runs the others
+    t0, c0 = time.time(), time.process_time()
+    encoder = _encoder(spec.tokenizer_sha256, tokenizer_json)
+    out = Path(spec.output)
+    tmp = out / f".tmp-{chunk.name}-{uuid.uuid4().hex[:8]}"
+    remote = f"{spec.remote.rstrip('/')}/{chunk.name}" if spec.remote else None
+    writer_cls = make_fast_writer_class()
+    reader = ChunkReader(chunk, text_field=spec.text_field)
+    state = _State()
+    dtype = id_dtype_for(spec.vocab_size)
+    with writer_cls(out=(str(tmp), remote) if remote else str(tmp), keep_local=True,
+                    columns=columns_for(fmt=spec.fmt, vocab_size=spec.vocab_size),
+                    compression=COMPRESSION, hashes=HASHES, size_limit=SIZE_LIMIT) as writer:
+        packer = Packer(max_seq_len=spec.max_seq_len, cls_id=spec.cls_id, sep_id=spec.sep_id,
+                        dtype=dtype) if spec.fmt == "packed" else None
+        zeros = np.zeros(spec.max_seq_len, dtype=np.uint8)
+        for block_index, block in enumerate(_blocks(reader, spec, state)):
+            docs = _tokenize(block, encoder, reader, state)
+            if docs.num_docs == 0:
+                continue
+            c = state.counts
+            if packer is not None:
+                ids_NL, ws_NL, langs = packer.add(docs)
+                for i in range(len(ids_NL)):
+                    writer.write({"input_ids": ids_NL[i], "token_type_ids": zeros,
+                                  "word_starts": ws_NL[i], "lang": langs[i]})
+                c["samples"] += len(ids_NL)
+                c["tokens_in_samples"] += ids_NL.size
+                continue
+            rng = random.Random(block_seed(spec.seed, chunk.index, block_index))
+            for inst in nsp_instances(docs, rng=rng, max_seq_len=spec.max_seq_len,
+                                      short_seq_prob=spec.short_seq_prob,
+                                      random_next_prob=spec.random_next_prob):
+                ids, types, ws = assemble_nsp(docs, inst, cls_id=spec.cls_id, sep_id=spec.sep_id,
+                                              dtype=dtype)
+                writer.write({"input_ids": ids, "token_type_ids": types, "word_starts": ws,
+                              "nsp_label": int(inst.is_random_next),
+                              "lang": docs.doc_langs[inst.a_doc]})
+                c["samples"] += 1
+                c["nsp_random_next"] += int(inst.is_random_next)
+                c["tokens_in_samples"] += len(ids)
+                c["tokens_truncated"] += (inst.a_full[1] - inst.a_full[0] - inst.a[1] + inst.a[0]
+                                          + inst.b_full[1] - inst.b_full[0] - inst.b[1] + inst.b[0])
+        if packer is not None:
+            tail_tokens, tail_docs = packer.tail()
+            state.counts["tokens_dropped_tail"] += tail_tokens
+            state.counts["skipped_packed_tail"] += tail_docs
+            state.docs_with_tokens -= tail_docs
+    shards = writer.shards
+    counts = _finish_counts(reader, state)
+    counts["shards"] = len(shards)
+    counts["bytes"] = sum((s.get("zip_data") or s["raw_data"])["bytes"] for s in shards)
+    counts["input_bytes"] = chunk.nbytes
+    stats = {"chunk": chunk.name, "index": chunk.index, "file": chunk.file.path,
+             "start": chunk.start, "end": chunk.end, "counts": dict(counts),
+             "wall_s": round(time.time() - t0, 3), "cpu_s": round(time.process_time() - c0, 3),
+             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+             "pid": os.getpid(), "host": socket.gethostname()}
+    with open(tmp / PART_REJECTS, "w") as f:
+        for entry in reader.rejects:
+            f.write(json.dumps(entry, ensure_ascii=False) + "\n")
+    (tmp / PART_STATS).write_text(json.dumps(stats, indent=1))
+    final = out / chunk.name
+    if final.exists():  # a retried task whose first attempt got this far: same content
+        shutil.rmtree(final)
+    tmp.rename(final)
+    return stats
+
+
+class _State:
+    """Per-chunk counters that span blocks."""
+
+    def __init__(self) -> None:
+        self.counts: Counter = Counter()
+        self.docs_with_tokens = 0
+        self.split_docs_seen: set[int] = set()  # multi-part docs already counted as written
+        self.split_docs: set[int] = set()
+
+
+def _blocks(reader: ChunkReader, spec: TaskSpec, state: _State) -> Iterator[list[_Entry]]:
+    """Clean, detect language, split sentences; group documents into blocks of about
+    spec.block_chars characters. A longer document is cut into parts at sentence boundaries."""
+    forced = reader.chunk.file.lang
+    block: list[_Entry] = []
+    size = 0
+    for doc_id, raw in enumerate(reader.documents()):
+        lines = [line for line in map(clean_text, raw.lines) if line]
+        if not lines:
+            reader.skip("empty", raw.line)
+            continue
+        lang = forced or detect_language(_head(lines))
+        sentences = [s for line in lines for s in split_sentences(line, lang)]
+        parts = _cut(sentences, spec.block_chars)
+        if len(parts) > 1:
+            state.counts["documents_split"] += 1
+            state.split_docs.add(doc_id)
+        for part in parts:
+            block.append(_Entry(doc_id, lang, part, raw.line, len(parts) > 1))
+            size += sum(map(len, part))
+            if size >= spec.block_chars:
+                yield block
+                block, size = [], 0
+    if block:
+        yield block
+
+
+def _head(lines: list[str], chars: int = 2000) -> str:
+    head, n = [], 0
+    for line in lines:
+        head.append(line)
+        n += len(line)
+        if n >= chars:
+            break
+    return " ".join(head)
+
+
+def _cut(sentences: list[str], limit: int) -> list[list[str]]:
+    parts, current, n = [], [], 0
+    for s in sentences:
+        if current and n + len(s) > limit:
+            parts.append(current)
+            current, n = [], 0
+        current.append(s)
+        n += len(s)
+    parts.append(current)
+    return parts
+
+
+def _tokenize(block: list[_Entry], encoder: SentenceEncoder, reader: ChunkReader,
+              state: _State) -> TokenizedDocs:
+    """Tokenise a block; drop sentences without tokens and count documents without any."""
+    sentences = [s for e in block for s in e.sentences]
+    per_entry = np.array([len(e.sentences) for e in block], dtype=np.int64)
+    zh_S = np.repeat(np.array([e.lang == "zh" for e in block], dtype=bool), per_entry)
+    ids_parts, ws_parts, len_parts = [], [], []
+    lo = 0
+    while lo < len(sentences):
+        hi, n = lo, 0
+        while hi < len(sentences) and (n < ENCODE_BATCH_CHARS or hi == lo):
+            n += len(sentences[hi])
+            hi += 1
+        ids, lengths, encodings = encoder.encode(sentences[lo:hi])
+        ws = word_starts(encoder, ids_T=ids, lengths_S=lengths, encodings=encodings,
+                         sentences=sentences[lo:hi], zh_S=zh_S[lo:hi])
+        ids_parts.append(ids)
+        ws_parts.append(ws)
+        len_parts.append(lengths)
+        del encodings
+        lo = hi
+    ids_T = np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.uint32)
+    ws_T = np.concatenate(ws_parts) if ws_parts else np.zeros(0, np.uint8)
+    lengths_S = np.concatenate(len_parts) if len_parts else np.zeros(0, np.int64)
+    keep_S = lengths_S > 0
+    kept_per_entry = np.add.reduceat(keep_S.astype(np.int64), np.concatenate([[0], np.cumsum(per_entry)[:-1]]))
+
+    c = state.counts
+    doc_langs, kept_counts, is_new = [], [], []
+    for entry, kept in zip(block, kept_per_entry):
+        if kept == 0:
+            if not entry.multipart:
+                reader.skip("no_tokens", entry.line)
+            continue
+        doc_langs.append(entry.lang)
+        kept_counts.append(int(kept))
+        new = not entry.multipart or entry.doc_id not in state.split_docs_seen
+        if entry.multipart:
+            state.split_docs_seen.add(entry.doc_id)
+        state.docs_with_tokens += int(new)
+        is_new.append(new)
+    lengths_kept = lengths_S[keep_S]
+    c["sentences"] += int(keep_S.sum())
+    c["tokens"] += int(ids_T.size)
+    for lang in ("en", "zh"):
+        mask = zh_S if lang == "zh" else ~zh_S
+        c[f"tokens_{lang}"] += int(lengths_S[mask].sum())
+    return TokenizedDocs(
+        ids_T=ids_T, word_starts_T=ws_T,
+        sent_offsets_S1=np.concatenate([[0], np.cumsum(lengths_kept)]).astype(np.int64),
+        doc_sent_offsets_D1=np.concatenate([[0], np.cumsum(kept_counts)]).astype(np.int64),
+        doc_langs=doc_langs, doc_is_new=np.array(is_new, dtype=bool))
+
+
+def _finish_counts(reader: ChunkReader, state: _State) -> Counter:
+    """Merge reader and processing counts into the manifest's vocabulary; a multi-part document
+    none of whose parts had a token is skipped as no_tokens."""
+    counts = Counter(state.counts)
+    for doc_id in state.split_docs - state.split_docs_seen:
+        counts["skipped_no_tokens"] += 1
+    counts.update(reader.counts)
+    counts["documents_written"] = state.docs_with_tokens
+    return counts

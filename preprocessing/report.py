@@ -1,0 +1,94 @@
+"""The build's account: per-part stats summed into the manifest's counts, package versions, and the
+summary table printed at the end (the same numbers as build_manifest.json)."""
+from __future__ import annotations
+
+import platform
+from collections import Counter
+from importlib import metadata
+
+PACKAGES = ("tokencl", "tokenizers", "transformers", "mosaicml-streaming", "ray", "numpy",
+            "pyarrow", "rjieba", "zstandard")
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def aggregate(part_stats: list[dict], *, fmt: str) -> dict:
+    """Sum the parts' counters into the manifest's `counts`; checks that every document is
+    accounted for: documents_in == documents_written + sum(documents_skipped)."""
+    total: Counter = Counter()
+    for stats in part_stats:
+        total.update(stats["counts"])
+    skipped = {k[len("skipped_"):]: v for k, v in sorted(total.items()) if k.startswith("skipped_") and v}
+    rejects = {k[len("rejects_"):]: v for k, v in sorted(total.items())
+               if k.startswith("rejects_") and k != "rejects_not_logged" and v}
+    counts = {
+        "documents_in": total["documents_in"],
+        "documents_written": total["documents_written"],
+        "documents_skipped": skipped,
+        "documents_split": total["documents_split"],
+        "sentences": total["sentences"],
+        "tokens": total["tokens"],
+        "tokens_by_lang": {"en": total["tokens_en"], "zh": total["tokens_zh"]},
+        "samples": total["samples"],
+        "tokens_in_samples": total["tokens_in_samples"],
+        "shards": total["shards"],
+        "bytes": total["bytes"],
+        "input_bytes": total["input_bytes"],
+        "non_utf8_replacements": total["non_utf8_replacements"],
+        "long_line_pieces": total["long_line_pieces"],
+        "problems_by_reason": rejects,
+        "problems_not_logged": total["rejects_not_logged"],
+    }
+    if fmt == "nsp":
+        counts["nsp_random_next"] = total["nsp_random_next"]
+        counts["tokens_truncated"] = total["tokens_truncated"]
+    else:
+        counts["tokens_dropped_tail"] = total["tokens_dropped_tail"]
+    accounted = counts["documents_written"] + sum(skipped.values())
+    assert counts["documents_in"] == accounted, (
+        f"internal error: {counts['documents_in']} documents in, {accounted} accounted for")
+    return counts
+
+
+def format_summary(manifest: dict) -> str:
+    """A readable table of the manifest's counts."""
+    c = manifest["counts"]
+    cfg = manifest["config"]
+    rows = [
+        ("output", cfg["output"]),
+        ("format", f"{cfg['format']}, max_seq_len {cfg['max_seq_len']}, seed {cfg['seed']}"),
+        ("tokenizer", f"{manifest['tokenizer']['kind']} ({manifest['tokenizer']['vocab_size']} tokens)"),
+        ("input", f"{c['input_bytes'] / 1e6:.1f} MB in {manifest['chunks']} chunks "
+                  f"({manifest['chunks_resumed']} already done)"),
+        ("wall time", f"{manifest['wall_s']:.1f} s  ({manifest['mb_per_s']:.2f} MB/s, "
+                      f"{manifest['workers']} workers, peak RSS/worker {manifest['peak_rss_mb_per_worker']:.0f} MB)"),
+        ("documents in", f"{c['documents_in']:,}"),
+        ("documents written", f"{c['documents_written']:,}"),
+    ]
+    rows += [(f"  skipped: {k}", f"{v:,}") for k, v in c["documents_skipped"].items()]
+    rows += [
+        ("sentences", f"{c['sentences']:,}"),
+        ("tokens", f"{c['tokens']:,}  (en {c['tokens_by_lang']['en']:,}, zh {c['tokens_by_lang']['zh']:,})"),
+        ("samples", f"{c['samples']:,}" + (f"  ({c['nsp_random_next']:,} with a random B)"
+                                             if "nsp_random_next" in c else "")),
+    ]
+    if "tokens_truncated" in c:
+        rows.append(("tokens truncated", f"{c['tokens_truncated']:,}"))
+    if "tokens_dropped_tail" in c:
+        rows.append(("tokens dropped (tails)", f"{c['tokens_dropped_tail']:,}"))
+    rows += [
+        ("shards", f"{c['shards']:,}  ({c['bytes'] / 1e6:.1f} MB, zstd)"),
+        ("non-UTF-8 replaced", f"{c['non_utf8_replacements']:,}"),
+        ("problems logged", f"{sum(c['problems_by_reason'].values()) - c['problems_not_logged']:,}"
+                            "  (rejects.jsonl)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

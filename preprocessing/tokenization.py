@@ -1,0 +1,271 @@
+"""Tokenizers: load one (folder or hub name), or train a joint English+Chinese vocabulary, and
+save it as a Hugging Face tokenizer folder; plus the worker-side batch encoder.
+
+Trained tokenizers normalise with NFKC, lower-case unless told otherwise, and isolate every CJK
+ideograph as its own token, as BERT-Chinese does. 'wordpiece' is BERT's algorithm (`##`
+continuation pieces); 'sentencepiece' is the SentencePiece unigram algorithm (trained with HF
+tokenizers' UnigramTrainer, `▁` marks a word start).
+"""
+from __future__ import annotations
+
+from preprocessing.errors import UsageError
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from preprocessing.inputs import Chunk
+from preprocessing.text import _CJK_CLASS, CJK_RANGES, clean_text
+
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+TRAINABLE = ("wordpiece", "sentencepiece")
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What the manifest records and the workers need. `json` is tokenizer.json's text."""
+    path: str
+    source: str
+    sha256: str
+    vocab_size: int
+    kind: str
+    cls_id: int
+    sep_id: int
+    unk_id: int | None
+
+    def manifest(self) -> dict:
+        return {"path": self.path, "source": self.source, "sha256": self.sha256,
+                "vocab_size": self.vocab_size, "kind": self.kind}
+
+
+def _normalizer(lowercase: bool):
+    from tokenizers import Regex, normalizers
+    return normalizers.Sequence([
+        normalizers.NFKC(),
+        # handle_chinese_chars puts spaces around every CJK ideograph: one token each.
+        normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
+                                   strip_accents=None if lowercase else False, lowercase=lowercase),
+        normalizers.Replace(Regex(" {2,}"), " "),
+        normalizers.Strip(),
+    ])
+
+
+def new_tokenizer(kind: str, *, lowercase: bool = True):
+    """An untrained `tokenizers.Tokenizer` with our normaliser, pre-tokenizer and decoder."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    if kind == "wordpiece":
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]", continuing_subword_prefix="##"))
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece(prefix="##")
+    elif kind == "sentencepiece":
+        tok = Tokenizer(models.Unigram())
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
+            # An ideograph is a word of its own: drop the word marker in front of it so the
+            # unigram model cannot glue "▁" and the character into two tokens.
+            pre_tokenizers.Split(Regex(f"▁(?=[{_CJK_CLASS}])"), behavior="removed"),
+        ])
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    else:
+        raise UsageError(f"--train_tokenizer {kind}: choose one of {', '.join(TRAINABLE)}")
+    tok.normalizer = _normalizer(lowercase)
+    return tok
+
+
+def train_tokenizer(kind: str, texts: Iterable[str], *, vocab_size: int, lowercase: bool = True):
+    """Train a joint vocabulary on `texts` (cleaned lines). Returns a `tokenizers.Tokenizer`
+    whose first ids are SPECIAL_TOKENS, with BERT's [CLS] A [SEP] B [SEP] post-processor."""
+    from tokenizers import processors, trainers
+
+    tok = new_tokenizer(kind, lowercase=lowercase)
+    if kind == "wordpiece":
+        trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                            continuing_subword_prefix="##", show_progress=False)
+    else:
+        trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                          unk_token="[UNK]", max_piece_length=16,
+                                          show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
+    return tok
+
+
+def save_trained(tok, out_dir: Path, *, kind: str, lowercase: bool) -> None:
+    """Write an HF tokenizer folder (tokenizer.json, tokenizer_config.json, special tokens;
+    vocab.txt for WordPiece) that AutoTokenizer loads as a fast tokenizer."""
+    from transformers import BertTokenizerFast, PreTrainedTokenizerFast
+
+    specials = dict(unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]", cls_token="[CLS]",
+                    mask_token="[MASK]")
+    if kind == "wordpiece":
+        hf = BertTokenizerFast(tokenizer_object=tok, do_lower_case=lowercase, **specials)
+    else:
+        hf = PreTrainedTokenizerFast(tokenizer_object=tok, **specials)
+    hf.model_max_length = 512
+    hf.save_pretrained(str(out_dir))
+
+
+def copy_tokenizer(name_or_path: str, out_dir: Path) -> None:
+    """Load --tokenizer (a local folder, or a hub name where the machine is online), check it is
+    a fast tokenizer with [CLS]/[SEP]-style specials, and save a copy into out_dir."""
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(name_or_path)
+    except Exception as err:  # transformers raises OSError/ValueError/... depending on the cause
+        raise UsageError(f"--tokenizer {name_or_path}: cannot load a tokenizer from it ({err})") from err
+    if not hf.is_fast:
+        raise UsageError(f"--tokenizer {name_or_path}: needs a fast tokenizer (a tokenizer.json)")
+    missing = [name for name in ("cls_token", "sep_token", "mask_token", "pad_token")
+               if getattr(hf, name) is None]
+    if missing:
+        raise UsageError(f"--tokenizer {name_or_path}: has no {', '.join(missing)}; "
+                         "BERT pre-training needs [CLS], [SEP], [MASK] and [PAD]")
+    hf.save_pretrained(str(out_dir))
+
+
+def describe(tok_dir: Path, *, source: str, kind: str | None = None) -> TokenizerInfo:
+    """TokenizerInfo of a saved folder; sha256 over tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    data = (tok_dir / "tokenizer.json").read_bytes()
+    tok = Tokenizer.from_str(data.decode("utf-8"))
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    sm = json.loads((tok_dir / "special_tokens_map.json").read_text()) \
+        if (tok_dir / "special_tokens_map.json").exists() else {}
+
+    def special(name: str, default: str) -> str:
+        value = sm.get(name) or config.get(name) or default
+        return value["content"] if isinstance(value, dict) else value
+
+    cls_id = tok.token_to_id(special("cls_token", "[CLS]"))
+    sep_id = tok.token_to_id(special("sep_token", "[SEP]"))
+    unk_id = tok.token_to_id(special("unk_token", "[UNK]"))
+    if cls_id is None or sep_id is None:
+        raise UsageError(f"tokenizer in {tok_dir} has no [CLS]/[SEP] token in its vocabulary")
+    model_type = json.loads(data)["model"]["type"].lower()
+    return TokenizerInfo(path=str(tok_dir), source=source,
+                         sha256=hashlib.sha256(data).hexdigest(),
+                         vocab_size=tok.get_vocab_size(with_added_tokens=True),
+                         kind=kind or model_type, cls_id=cls_id, sep_id=sep_id, unk_id=unk_id)
+
+
+def prepare_tokenizer(*, tokenizer: str | None, train: str | None, vocab_size: int,
+                      lowercase: bool, out_dir: Path, texts: Iterable[str] | None) -> TokenizerInfo:
+    """Fill out_dir (OUTPUT/tokenizer) and describe it. An existing out_dir is reused as is (a
+    resumed build keeps the tokenizer its finished parts were made with)."""
+    if (out_dir / "tokenizer.json").exists():
+        return describe(out_dir, source=tokenizer or f"trained:{train}", kind=train)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if train:
+        tok = train_tokenizer(train, texts or [], vocab_size=vocab_size, lowercase=lowercase)
+        save_trained(tok, tmp, kind=train, lowercase=lowercase)
+    else:
+        copy_tokenizer(tokenizer, tmp)
+    tmp.rename(out_dir)
+    return describe(out_dir, source=tokenizer or f"trained:{train}", kind=train)
+
+
+def training_texts(chunks: list[Chunk], *, text_field: str, budget_bytes: int) -> Iterator[str]:
+    """Cleaned lines for tokenizer training: from every chunk, its first share of
+    `budget_bytes` (proportional to the chunk's size), so every file and language is sampled."""
+    from preprocessing.readers import ChunkReader
+
+    total = sum(c.nbytes for c in chunks) or 1
+    for chunk in chunks:
+        share = budget_bytes * chunk.nbytes / total
+        taken = 0
+        reader = ChunkReader(chunk, text_field=text_field)
+        for doc in reader.documents():
+            for line in doc.lines:
+                line = clean_text(line)
+                if line:
+                    taken += len(line)
+                    yield line
+            if taken >= share:
+                break
+
+
+class SentenceEncoder:
+    """Worker side: tokenizer.json text -> a fast batch encoder of sentences (no special tokens)
+    plus per-token lookup tables: `start_table[id]` (1 if the token starts a word by its own
+    spelling: not a `##` piece, or a `▁`/`Ġ` piece) and `cjk_table[id]` (the token is one CJK
+    ideograph). start_table is None for tokenizers whose word starts need the pre-tokenizer's
+    word ids."""
+
+    def __init__(self, tokenizer_json: str):
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_str(tokenizer_json)
+        self.tok.no_truncation()
+        self.tok.no_padding()
+        # Text that happens to contain "[SEP]" must not become the special token.
+        self.tok.encode_special_tokens = True
+        spec = json.loads(tokenizer_json)
+        vocab = self.tok.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1
+        tokens = [""] * self.vocab_size
+        for piece, i in vocab.items():
+            tokens[i] = piece
+        special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+        self.start_table = _start_table(spec, tokens, special)
+        self.cjk_table = np.array([len(t) == 1 and _is_cjk(t) for t in tokens], dtype=bool)
+
+    def encode(self, sentences: list[str], *, offsets: bool = False):
+        """(ids_T uint32, lengths_S int64, encodings): the sentences' tokens concatenated, how
+        many each has, and the Encoding objects (with offsets only when asked)."""
+        fn = self.tok.encode_batch if offsets else self.tok.encode_batch_fast
+        encodings = fn(sentences, add_special_tokens=False)
+        id_lists = [e.ids for e in encodings]
+        lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
+        ids = np.fromiter(chain.from_iterable(id_lists), dtype=np.uint32, count=int(lengths.sum()))
+        return ids, lengths, encodings
+
+
+def _is_cjk(ch: str) -> bool:
+    cp = ord(ch)
+    return any(lo <= cp <= hi for lo, hi in CJK_RANGES)
+
+
+def _start_table(spec: dict, tokens: list[str], special: set[int]) -> np.ndarray | None:
+    model = spec["model"]
+    if model["type"] == "WordPiece":
+        prefix = model.get("continuing_subword_prefix") or "##"
+        table = [not t.startswith(prefix) for t in tokens]
+    else:
+        metaspace = _find_component(spec.get("pre_tokenizer"), "Metaspace")
+        if metaspace is not None:
+            marker = metaspace.get("replacement", "▁")
+        elif _find_component(spec.get("pre_tokenizer"), "ByteLevel") is not None:
+            marker = "Ġ"
+        else:
+            return None
+        table = [t.startswith(marker) or (len(t) == 1 and _is_cjk(t)) for t in tokens]
+    out = np.array(table, dtype=np.uint8)
+    out[list(special)] = 1
+    return out
+
+
+def _find_component(node: object, type_name: str) -> dict | None:
+    """The first {"type": type_name, ...} inside a tokenizer.json component (searching Sequences)."""
+    if isinstance(node, dict):
+        if node.get("type") == type_name:
+            return node
+        node = list(node.values())
+    if isinstance(node, list):
+        for item in node:
+            found = _find_component(item, type_name)
+            if found is not None:
+                return found
+    return None
