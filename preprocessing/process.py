@@ -169,24 +169,28 @@ def _blocks(reader: ChunkReader, spec: TaskSpec, state: _State) -> Iterator[list
     spec.block_chars characters. A longer document is cut into parts at sentence boundaries."""
     forced = reader.chunk.file.lang
     block: list[_Entry] = []
-    size = 0
-    for doc_id, raw in enumerate(reader.documents()):
+    size, doc_id, lang, has_text = 0, -1, None, False
+    for raw in reader.documents():
+        if raw.part == 0:
+            doc_id, lang, has_text = doc_id + 1, None, False
         lines = [line for line in map(clean_text, raw.lines) if line]
-        if not lines:
+        if lines:
+            lang = lang or forced or detect_language(_head(lines))
+            sentences = [s for line in lines for s in split_sentences(line, lang)]
+            parts = _cut(sentences, spec.block_chars)
+            multipart = len(parts) > 1 or not (raw.part == 0 and raw.last)
+            if multipart and doc_id not in state.split_docs:
+                state.counts["documents_split"] += 1
+                state.split_docs.add(doc_id)
+            has_text = True
+            for part in parts:
+                block.append(_Entry(doc_id, lang, part, raw.line, multipart))
+                size += sum(map(len, part))
+                if size >= spec.block_chars:
+                    yield block
+                    block, size = [], 0
+        if raw.last and not has_text:
             reader.skip("empty", raw.line)
-            continue
-        lang = forced or detect_language(_head(lines))
-        sentences = [s for line in lines for s in split_sentences(line, lang)]
-        parts = _cut(sentences, spec.block_chars)
-        if len(parts) > 1:
-            state.counts["documents_split"] += 1
-            state.split_docs.add(doc_id)
-        for part in parts:
-            block.append(_Entry(doc_id, lang, part, raw.line, len(parts) > 1))
-            size += sum(map(len, part))
-            if size >= spec.block_chars:
-                yield block
-                block, size = [], 0
     if block:
         yield block
 

@@ -20,6 +20,8 @@ from preprocessing.inputs import Chunk
 
 MAX_LINE_BYTES = 1 << 20
 """Text lines are handed on in pieces of at most this many bytes."""
+MAX_DOC_PART_BYTES = 4 << 20
+"""A longer text-format document is handed on in parts of about this size (same document)."""
 MAX_JSON_LINE_BYTES = 64 << 20
 """A JSONL line must be parsed whole; longer lines are skipped, counted and logged."""
 MAX_LOGGED_REJECTS = 1000
@@ -33,9 +35,12 @@ _REPLACEMENT_BYTES = _REPLACEMENT.encode()
 @dataclass
 class RawDocument:
     """A document's lines as decoded text, and where it starts: `line` is 1-based and relative to
-    the chunk's first line (text, JSONL) or the row index in the file (Parquet, Arrow)."""
+    the chunk's first line (text, JSONL) or the row index in the file (Parquet, Arrow). A very
+    long document comes in parts: `part` counts them from 0, `last` marks the final one."""
     lines: list[str]
     line: int
+    part: int = 0
+    last: bool = True
 
 
 @dataclass
@@ -138,21 +143,25 @@ class ChunkReader:
 
     def _text_documents(self) -> Iterator[RawDocument]:
         lines: list[str] = []
-        first, line_blank = 0, True
+        first, part, size, line_blank = 0, 0, 0, True
         for data, line_no, complete in self._lines():
             if data.strip():
-                if not lines:
+                if not lines and part == 0:
                     first = line_no
                     self.counts["documents_in"] += 1
                 lines.append(self.decode(data, line_no))
+                size += len(data)
                 line_blank = False
+                if size >= MAX_DOC_PART_BYTES:  # hand a giant document on in parts
+                    yield RawDocument(lines, first, part=part, last=False)
+                    lines, size, part = [], 0, part + 1
             if complete:
-                if line_blank and lines:  # a blank line ends the document
-                    yield RawDocument(lines, first)
-                    lines = []
+                if line_blank and (lines or part):  # a blank line ends the document
+                    yield RawDocument(lines, first, part=part, last=True)
+                    lines, size, part = [], 0, 0
                 line_blank = True
-        if lines:
-            yield RawDocument(lines, first)
+        if lines or part:
+            yield RawDocument(lines, first, part=part, last=True)
 
     def _jsonl_documents(self) -> Iterator[RawDocument]:
         parts: list[bytes] = []
