@@ -220,6 +220,9 @@ class SentenceEncoder:
             tokens[i] = piece
         special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
         self.start_table = _start_table(spec, tokens, special)
+        model = spec["model"]
+        unk = model.get("unk_id", model.get("unk_token"))
+        self.unk_id = unk if isinstance(unk, int) or unk is None else vocab.get(unk)
         self.cjk_table = np.array([len(t) == 1 and _is_cjk(t) for t in tokens], dtype=bool)
 
     def encode(self, sentences: list[str], *, offsets: bool = False):
@@ -254,6 +257,14 @@ def _start_table(spec: dict, tokens: list[str], special: set[int]) -> np.ndarray
         table = [t.startswith(marker) or (len(t) == 1 and _is_cjk(t)) for t in tokens]
     out = np.array(table, dtype=np.uint8)
     out[list(special)] = 1
+    if model["type"] != "WordPiece":
+        # WordPiece's [UNK] replaces a whole word; a unigram/BPE [UNK] is one unknown character
+        # inside a word, its word start (if any) being the marker piece before it.
+        unk = model.get("unk_id")
+        if unk is None and model.get("unk_token") in tokens:
+            unk = tokens.index(model["unk_token"])
+        if unk is not None:
+            out[unk] = 0
     return out
 
 

@@ -94,6 +94,8 @@ def _chinese_word_starts(encoder: SentenceEncoder, *, ws_T: np.ndarray, ids_T: n
         local = starts_C[char_off[k]:char_off[k] + char_lens[k]]
         enc = encoder.tok.encode(sentence, add_special_tokens=False)
         base = offsets_S1[zh_idx[k]]
-        for j, (start, _) in enumerate(enc.offsets):
-            if start < len(sentence) and is_cjk_codepoints(np.array([ord(sentence[start])]))[0]:
-                ws_T[base + j] = local[start] or j == 0
+        for j, (tid, (lo, hi)) in enumerate(zip(enc.ids, enc.offsets)):
+            # Only a token that is one ideograph, or [UNK] standing for one, takes rjieba's flag.
+            if j and hi - lo == 1 and (encoder.cjk_table[tid] or tid == encoder.unk_id) \
+                    and is_cjk_codepoints(np.array([ord(sentence[lo])]))[0]:
+                ws_T[base + j] = local[lo]
