@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -96,6 +97,13 @@ class RunArgs:
     max_nonfinite: int = 5  # consecutive skipped (NaN/inf) micro-batches before aborting
     trace_samples: bool = False  # write RUN/sample_trace.jsonl: the sample ids of every step
     peak_tflops: Optional[float] = None  # overrides the device table used for MFU
+    progress_bar: bool = True  # tqdm on rank 0 (default: when stderr is a terminal)
+    stop_after_step: Optional[int] = None
+    # Fault injection for tests of the NaN guard: the loss of rank `debug_nan_rank` is made NaN at these
+    # steps, on the first `debug_nan_attempts` micro-batches of each.
+    debug_nan_steps: tuple[int, ...] = ()
+    debug_nan_rank: int = 0
+    debug_nan_attempts: int = 1  # save and exit 0 at this step; the schedule still spans max_steps
 
 
 @dataclass
@@ -152,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_nonfinite", type=int, default=5, help="abort after N NaN/inf losses in a row")
     p.add_argument("--trace_samples", action="store_true", help="log every step's sample ids")
     p.add_argument("--peak_tflops", type=float, help="device peak for MFU (default: built-in table)")
+    p.add_argument("--progress_bar", choices=("auto", "on", "off"), default="auto",
+                   help="tqdm on rank 0; auto = only when stderr is a terminal (a bar in a batch log "
+                        "would share lines with the log lines)")
+    p.add_argument("--stop_after_step", type=int,
+                   help="save and exit 0 after this step (a chunk of a longer run; the schedule still spans --max_steps)")
     # Schedule numbers: None means the objective's paper default.
     p.add_argument("--lr", type=float)
     p.add_argument("--warmup_steps", type=int)
@@ -174,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--taco_anchors", choices=("all", "masked", "unmasked"), default="all")
     p.add_argument("--taco_lambda", type=float, default=1.0)
     p.add_argument("--taco_no_detach", action="store_true", help="let gradients flow into positives/negatives")
+    p.add_argument("--debug_nan_steps", type=lambda t: tuple(int(x) for x in t.split(",") if x), default=(),
+                   help=argparse.SUPPRESS)
+    p.add_argument("--debug_nan_rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--debug_nan_attempts", type=int, default=1, help=argparse.SUPPRESS)
     # The deepspeed launcher appends --local_rank; the environment carries the same value.
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
@@ -199,7 +216,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainConfig:
         run=RunArgs(ds_config=a.ds_config, save_dir=a.save_dir, resume=a.resume, export_dir=a.export_dir,
                     save_every=a.save_every, keep_checkpoints=a.keep_checkpoints, seed=a.seed,
                     dist_timeout_s=a.dist_timeout_s, log_every=a.log_every, max_nonfinite=a.max_nonfinite,
-                    trace_samples=a.trace_samples, peak_tflops=a.peak_tflops),
+                    trace_samples=a.trace_samples, peak_tflops=a.peak_tflops, stop_after_step=a.stop_after_step,
+                    progress_bar={"on": True, "off": False}.get(a.progress_bar, sys.stderr.isatty()),
+                    debug_nan_steps=a.debug_nan_steps, debug_nan_rank=a.debug_nan_rank,
+                    debug_nan_attempts=a.debug_nan_attempts),
     )
     resolve_schedule(cfg, lr=a.lr, warmup_steps=a.warmup_steps)
     validate(cfg)
@@ -238,6 +258,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ValueError(f"--lr must be > 0, got {s.lr}")
     if not 0 <= s.warmup_steps < s.max_steps:
         raise ValueError(f"--warmup_steps must be in [0, --max_steps={s.max_steps}), got {s.warmup_steps}")
+    if r.stop_after_step is not None and not 1 <= r.stop_after_step <= s.max_steps:
+        raise ValueError(f"--stop_after_step must be in [1, --max_steps={s.max_steps}], got {r.stop_after_step}")
     if r.save_every < 1:
         raise ValueError(f"--save_every must be >= 1, got {r.save_every}")
     if r.keep_checkpoints < 1:

@@ -13,13 +13,16 @@ import contextlib
 import io
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 if __package__ in (None, ""):  # run as a script: make `pipeline` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.checkpoint import HF_SUBDIR, MARKER, is_complete  # noqa: E402
 
+# Exported weights cast to the engine's dtype must reproduce its logits to within this many steps of
+# that dtype (relative to the largest logit): the same kernels on the same device give 0.
+SAME_DTYPE_TOLERANCE_ULPS = 1.0
 STATE_PREFIX = "net."  # pipeline.model.Student keeps the BertForPreTraining under `net`
 
 
@@ -62,6 +65,55 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def verify_export(net: Any, export_dir: str | Path, *, batch: dict[str, Any], dtype: Any, out: Path) -> dict[str, Any]:
+    """Compare the exported folder with the live model it came from, on one batch, and record it.
+
+    `net`: the engine's BertForPreTraining (its weights in the engine's dtype). The exported fp32
+    weights cast to that dtype are those weights, so the same forward must give the same MLM logits
+    (up to `SAME_DTYPE_TOLERANCE_ULPS` bf16/fp16 steps, for kernels that may reorder sums); in fp32
+    they differ by the engine dtype's rounding. Writes `out`.json (the differences) and `out`.pt (the
+    inputs and the engine's logits). Raises RuntimeError when the same-dtype logits differ more.
+    In: batch with [B, L] original_ids, token_type_ids, attention_mask.
+    """
+    import json
+
+    import torch
+    from transformers import AutoModelForMaskedLM
+
+    device = next(net.parameters()).device
+    inputs = {"input_ids": batch["original_ids"].to(device), "token_type_ids": batch["token_type_ids"].to(device),
+              "attention_mask": batch["attention_mask"].to(device)}
+    real_BL = inputs["attention_mask"].bool()
+    was_training = net.training
+    net.eval()
+    with torch.no_grad():
+        engine_BLV = net(**inputs).prediction_logits.float()
+    net.train(was_training)
+    model = AutoModelForMaskedLM.from_pretrained(export_dir).to(device).eval()
+    with torch.no_grad():
+        fp32_BLV = model(**inputs).logits.float()
+        same_BLV = model.to(dtype)(**inputs).logits.float()
+    scale = float(engine_BLV[real_BL].abs().max())
+    ulp = scale * float(torch.finfo(dtype).eps) if dtype != torch.float32 else scale * 1e-6
+    result = {
+        "dtype": str(dtype).replace("torch.", ""),
+        "max_abs_logit": scale,
+        "max_abs_diff_same_dtype": float((same_BLV - engine_BLV)[real_BL].abs().max()),
+        "max_abs_diff_fp32": float((fp32_BLV - engine_BLV)[real_BL].abs().max()),
+        "tolerance_same_dtype": SAME_DTYPE_TOLERANCE_ULPS * ulp,
+        "positions": int(real_BL.sum()),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    torch.save({**{k: v.cpu() for k, v in inputs.items()}, "engine_logits": engine_BLV.cpu(), "dtype": result["dtype"]},
+               out.with_suffix(".pt"))
+    if result["max_abs_diff_same_dtype"] > result["tolerance_same_dtype"]:
+        raise RuntimeError(f"the export in {export_dir} does not reproduce the engine's logits: max |diff| "
+                           f"{result['max_abs_diff_same_dtype']:.4g} > {result['tolerance_same_dtype']:.4g} "
+                           f"({out.with_suffix('.json')})")
+    return result
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

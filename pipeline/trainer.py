@@ -36,10 +36,17 @@ from pipeline.metrics import FlopsModel, MetricsWriter, device_peak_flops, memor
 LOG = "[pipeline]"
 
 
+def emit(msg: str) -> None:
+    """One whole line on stdout in a single write, so that ranks sharing a log never interleave
+    within a line (the Slurm tests grep these lines)."""
+    sys.stdout.write(f"{LOG} {msg}\n")
+    sys.stdout.flush()
+
+
 def say(msg: str) -> None:
-    """A line on stdout from rank 0 (the Slurm tests grep some of these)."""
+    """A line from rank 0."""
     if distributed.is_main():
-        print(f"{LOG} {msg}", flush=True)
+        emit(msg)
 
 
 @dataclass
@@ -276,8 +283,8 @@ def train(prep: Prepared) -> int:
     distributed.normalize_launch_env()
     distributed.init_process_group(backend=distributed.default_backend(), timeout_s=cfg.run.dist_timeout_s)
     local = distributed.local_rank()
-    print(f"{LOG} rank {distributed.rank()} of world_size {distributed.world_size()} (local_rank {local}, "
-          f"host {distributed.hostname()})", flush=True)
+    emit(f"rank {distributed.rank()} of world_size {distributed.world_size()} (local_rank {local}, "
+         f"host {distributed.hostname()})")
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
     elif "OMP_NUM_THREADS" not in os.environ:
@@ -355,7 +362,8 @@ def train(prep: Prepared) -> int:
                              vocab=student.config.vocab_size, teacher=teacher is not None)
     peak = device_peak_flops(device, dtype=dtype, override_tflops=cfg.run.peak_tflops)
     writer = MetricsWriter(save_dir, enabled=distributed.is_main(), resume_step=step, trace=cfg.run.trace_samples)
-    bar = progress_bar(enabled=distributed.is_main(), total=cfg.schedule.max_steps, initial=step)
+    bar = progress_bar(enabled=distributed.is_main() and cfg.run.progress_bar, total=cfg.schedule.max_steps,
+                       initial=step)
     meter = Meter()
     metric_keys = ["loss", "mlm_loss", "mlm_acc"] + (["nsp_loss", "nsp_acc"] if prep.use_nsp else []) + \
         {"tacl": ["tacl_loss", "tacl_acc"], "taco": ["tc_loss", "tc_acc"], "mlm": []}[cfg.objective.objective]
@@ -363,6 +371,7 @@ def train(prep: Prepared) -> int:
     rank = distributed.rank()
     batches = iter(loader)
     consecutive_bad, last_saved, preempted = 0, step, None
+    dev: Optional[dict[str, torch.Tensor]] = None  # the last micro-batch (the export check reuses it)
 
     engine.train()
     while step < cfg.schedule.max_steps:
@@ -384,6 +393,9 @@ def train(prep: Prepared) -> int:
             out = engine(dev["input_ids"], dev["token_type_ids"], dev["attention_mask"], dev["masked"],
                          with_embeddings=taco, with_nsp=prep.use_nsp)
             res = compute_losses(prep, out, dev, teacher=teacher, generator=gen)
+            if (step + 1 in cfg.run.debug_nan_steps and rank == cfg.run.debug_nan_rank
+                    and attempt <= cfg.run.debug_nan_attempts):
+                res = StepLosses(total=res.total * float("nan"), values={**res.values, "loss": res.values["loss"] * float("nan")})
             bad, stop_usr1, stop_term = distributed.any_rank_flags(
                 [not bool(torch.isfinite(res.values["loss"])), flag.usr1, flag.term])
             if bad:
@@ -414,7 +426,8 @@ def train(prep: Prepared) -> int:
             bar.update(1)
         if cfg.run.trace_samples:
             writer.trace(step, distributed.all_gather_object(step_ids))
-        stopping = stop_usr1 or stop_term
+        chunk_end = step == cfg.run.stop_after_step and step < cfg.schedule.max_steps
+        stopping = stop_usr1 or stop_term or chunk_end
         if step % cfg.run.log_every == 0 or step == cfg.schedule.max_steps or stopping:
             steps_in = meter.steps
             vals, elapsed = meter.reduce(metric_keys + list(Meter.COUNTS))
@@ -436,8 +449,12 @@ def train(prep: Prepared) -> int:
             save(step)
             last_saved = step
         if stopping:
-            preempted = "SIGUSR1" if stop_usr1 else "SIGTERM"
-            say(f"pre-emption signal {preempted}: saved checkpoint at step {step}, exiting 0")
+            if stop_usr1 or stop_term:
+                preempted = "SIGUSR1" if stop_usr1 else "SIGTERM"
+                say(f"pre-emption signal {preempted}: saved checkpoint at step {step}, exiting 0")
+            else:
+                preempted = "--stop_after_step"
+                say(f"stopped after step {step} (--stop_after_step): saved checkpoint, exiting 0")
             break
     else:
         if last_saved != step:
@@ -447,10 +464,15 @@ def train(prep: Prepared) -> int:
     writer.close()
     if preempted is None:
         if cfg.run.export_dir and distributed.is_main():
-            from pipeline.export import export
+            from pipeline.export import export, verify_export
 
             export(checkpoint.latest_checkpoint(save_dir)[1], cfg.run.export_dir)
-            say(f"exported the student to {cfg.run.export_dir}")
+            if dev is None:  # nothing trained in this process (resumed at max_steps)
+                dev = {k: v.to(device) for k, v in next(iter(loader)).items()}
+            check = verify_export(engine.module.net, cfg.run.export_dir, batch=dev, dtype=dtype,
+                                  out=save_dir / "export_check")
+            say(f"exported the student to {cfg.run.export_dir} (logits vs the engine: max |diff| "
+                f"{check['max_abs_diff_same_dtype']:.3g} in {check['dtype']}, {check['max_abs_diff_fp32']:.3g} in fp32)")
         distributed.barrier()
         say(f"done: step {step}")
     return 0
