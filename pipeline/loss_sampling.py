@@ -132,6 +132,16 @@ def max_pool_rows_per_rank(tokens_per_rank: int, *, world_size: int, pool_size: 
 
 
 @dataclass(frozen=True)
+class PoolDraw:
+    """This rank's part of the pool: its rows (flat positions, ascending) and their global sequence
+    ids, and how many rows every rank sends."""
+
+    flat_n: torch.Tensor
+    sequence_n: torch.Tensor
+    sizes: list[int]
+
+
+@dataclass(frozen=True)
 class Pool:
     """The gathered pool: rows in global token order, their global sequence ids, bytes received."""
 
@@ -140,33 +150,29 @@ class Pool:
     gathered_bytes: int
 
 
-def gather_pool(
-    vectors_BLD: torch.Tensor,
-    *,
-    real_BL: torch.Tensor,
-    layout: Layout,
-    pool_size: int,
-    group: Optional[dist.ProcessGroup],
-    autograd: bool,
-) -> Pool:
-    """Draw the pool (see the module docstring), take this rank's rows of `vectors_BLD` and gather
-    every rank's rows, in the dtype they come in. `autograd=True` lets gradients flow back to the
-    rows' owners. Out: Pool with vectors_PD [P, D] and sequence_P [P] (global sequence ids)."""
-    B, L, D = vectors_BLD.shape
-    device = vectors_BLD.device
+def draw_pool(*, real_BL: torch.Tensor, layout: Layout, pool_size: int) -> PoolDraw:
+    """Draw the pool (module docstring) and find this rank's rows. No collective: every rank knows
+    how many of the global picks fall in each rank's token range."""
+    L = real_BL.shape[1]
+    device = real_BL.device
     picks_P = pool_token_indices(sum(layout.tokens), pool_size, seed=layout.seed, device=device)
-    # Every rank can tell how many picks fall in each rank's token range: no size collective.
     bounds = torch.tensor([0, *itertools.accumulate(layout.tokens)], device=device)
     sizes = torch.searchsorted(picks_P, bounds).diff().tolist()
     start = layout.token_offset
     mine = picks_P[(picks_P >= start) & (picks_P < start + layout.tokens[layout.rank])] - start
-    real_flat_T = real_BL.reshape(-1).nonzero().squeeze(1)
-    flat = real_flat_T[mine]
-    rows = vectors_BLD.reshape(B * L, D)[flat]
-    sequence = flat // L + layout.sequence_offset
-    vectors_PD = distributed.all_gather_uneven(rows, sizes=sizes, group=group, autograd=autograd)
-    sequence_P = distributed.all_gather_uneven(sequence, sizes=sizes, group=group)
-    gathered = distributed.uneven_gather_bytes(sizes, row_bytes=D * vectors_BLD.element_size() + 8)
+    flat_n = real_BL.reshape(-1).nonzero().squeeze(1)[mine]
+    return PoolDraw(flat_n=flat_n, sequence_n=flat_n // L + layout.sequence_offset, sizes=sizes)
+
+
+def gather_pool(rows_nD: torch.Tensor, *, draw: PoolDraw, group: Optional[dist.ProcessGroup],
+                autograd: bool) -> Pool:
+    """Gather every rank's pool rows (this rank's: `rows_nD`, the vectors at draw.flat_n) in the dtype
+    they come in; `autograd=True` lets gradients flow back to the rows' owners.
+    Out: Pool with vectors_PD [P, D] and sequence_P [P] (global sequence ids, ascending)."""
+    vectors_PD = distributed.all_gather_uneven(rows_nD, sizes=draw.sizes, group=group, autograd=autograd)
+    sequence_P = distributed.all_gather_uneven(draw.sequence_n, sizes=draw.sizes, group=group)
+    row_bytes = rows_nD.shape[1] * rows_nD.element_size() + draw.sequence_n.element_size()
+    gathered = distributed.uneven_gather_bytes(draw.sizes, row_bytes=row_bytes)
     return Pool(vectors_PD=vectors_PD, sequence_P=sequence_P, gathered_bytes=gathered)
 
 

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from conftest import free_port
 from pipeline import loss_sampling
-from pipeline.losses import tacl_loss, taco_loss
+from pipeline.losses import TACO_POOL_SIZE, tacl_loss, taco_loss
 
 WORLD = 2
 GENERATOR_SEED = 1234
@@ -130,7 +130,8 @@ def expected_bytes(s: Scenario, full: dict, ranks_rows: list) -> int:
     """Layout all-gather + the pool all-gather (rows padded to the busiest rank, D values in the input
     dtype plus an int64 sequence id) + the 4-float64 metrics reduction."""
     total = WORLD * 4 * 8 + 4 * 8
-    pool_size = s.loss_kwargs.get("pool_size", 4096) if s.kind == "taco" else s.loss_kwargs.get("num_pool", 0)
+    pool_size = (s.loss_kwargs.get("pool_size", TACO_POOL_SIZE) if s.kind == "taco"
+                 else s.loss_kwargs.get("num_pool", 0))
     if pool_size:
         tokens = [int(full["attention"][rows].sum()) for rows in ranks_rows]
         seed = loss_sampling.draw_seed(torch.Generator().manual_seed(GENERATOR_SEED))

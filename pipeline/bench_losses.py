@@ -1,0 +1,252 @@
+"""Benchmark: forward+backward time and peak memory of taco_loss and tacl_loss against the upstream
+formulations (TACO's materialised [B, L, K, D] negatives + einsum; TaCL's softmax over every position,
+padding included), each also as a share of a BERT-base MLM forward+backward on the same batch.
+
+    python pipeline/bench_losses.py                 # B=32, L=256, D=768, K=50, fp32, CPU
+    python pipeline/bench_losses.py --quick         # small shapes and a tiny BERT: a smoke run
+    python pipeline/bench_losses.py --device cuda   # the same on a GPU
+
+Prints one JSON object. Every measurement runs in a fresh process, so its peak memory is its own:
+on CPU the rise of the peak resident set (ru_maxrss) over the resident set before the measured
+calls (after a warm-up call), on CUDA torch.cuda.max_memory_allocated over the allocation before
+them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import psutil
+import torch
+import torch.nn.functional as F
+
+from pipeline.losses import TACO_POOL_SIZE, tacl_loss, taco_loss
+
+# Each case: (setup(args) -> state, step(state) -> None). setup builds inputs outside the measurement.
+
+
+def _bert_config(args):
+    from transformers import BertConfig
+
+    if args.quick:
+        return BertConfig(vocab_size=1000, hidden_size=args.hidden, num_hidden_layers=2, num_attention_heads=2,
+                          intermediate_size=4 * args.hidden, max_position_embeddings=args.seq_len)
+    return BertConfig()  # BERT-base: 12 layers, 768 wide, 30522 tokens
+
+
+def _hidden_pair(args, device):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    shape = (args.batch_size, args.seq_len, args.hidden)
+    hidden = torch.randn(shape, generator=g).to(device).requires_grad_(True)
+    embeddings = torch.randn(shape, generator=g).to(device).requires_grad_(True)
+    return hidden, embeddings
+
+
+def _tacl_inputs(args, device):
+    g = torch.Generator(device="cpu").manual_seed(1)
+    B, L = args.batch_size, args.seq_len
+    student, teacher = _hidden_pair(args, device)
+    teacher = teacher.detach()
+    lengths = torch.randint(L // 2, L + 1, (B,), generator=g)
+    attention = (torch.arange(L)[None, :] < lengths[:, None]).long()
+    masked = (torch.rand(B, L, generator=g) < 0.15) & attention.bool()
+    return student, teacher, masked.to(device), attention.to(device)
+
+
+def setup_taco(args, device):
+    hidden, embeddings = _hidden_pair(args, device)
+    attention = torch.ones(args.batch_size, args.seq_len, dtype=torch.long, device=device)
+    return dict(hidden=hidden, embeddings=embeddings, attention=attention,
+                generator=torch.Generator(device=device).manual_seed(0))
+
+
+def step_taco(args, s):
+    loss, _ = taco_loss(s["hidden"], embeddings_BLD=s["embeddings"], attention_mask_BL=s["attention"],
+                        num_negatives=args.num_negatives, generator=s["generator"], pool_size=args.pool_size)
+    loss.backward()
+
+
+def upstream_taco(hidden_BLD, embeddings_BLD, *, num_negatives, window=5, temperature=0.07):
+    """TACO as upstream computes it (REFERENCE.md; FUZHIYI/TACO scripts/sampler.py): no padding,
+    negatives from other rows of this micro-batch, gathered into a [B, L, K, D] tensor."""
+    B, L, D = hidden_BLD.shape
+    device = hidden_BLD.device
+    g_BLD = F.normalize(hidden_BLD - embeddings_BLD, dim=-1)
+    context_BLD = g_BLD.detach()
+    rows_BLK = (torch.randint(B - 1, (B, L, num_negatives), device=device)
+                + torch.arange(B, device=device)[:, None, None] + 1) % B
+    cols_BLK = torch.randint(L, (B, L, num_negatives), device=device)
+    negatives_BLKD = context_BLD[rows_BLK, cols_BLK]
+    half = window // 2
+    offsets_BL = (torch.randint(window - 1, (B, L), device=device) + half + 1) % window - half
+    cols_BL = torch.arange(L, device=device)[None, :] + offsets_BL
+    fallback_BL = (torch.randint(L - 1, (B, L), device=device) + torch.arange(L, device=device) + 1) % L
+    cols_BL = torch.where((cols_BL < 0) | (cols_BL >= L), fallback_BL, cols_BL)
+    positive_BLD = context_BLD[torch.arange(B, device=device)[:, None], cols_BL]
+    positive_BL = (g_BLD * positive_BLD).sum(-1) / temperature
+    negative_BLK = torch.einsum("bld,blkd->blk", g_BLD, negatives_BLKD) / temperature
+    logits = torch.cat([positive_BL[..., None], negative_BLK], dim=-1).reshape(B * L, num_negatives + 1)
+    return F.cross_entropy(logits, torch.zeros(B * L, dtype=torch.long, device=device))
+
+
+def step_taco_upstream(args, s):
+    upstream_taco(s["hidden"], s["embeddings"], num_negatives=args.num_negatives).backward()
+
+
+def setup_tacl(args, device):
+    student, teacher, masked, attention = _tacl_inputs(args, device)
+    return dict(student=student, teacher=teacher, masked=masked, attention=attention)
+
+
+def step_tacl(args, s):
+    loss, _ = tacl_loss(s["student"], teacher_BLD=s["teacher"], masked_BL=s["masked"],
+                        attention_mask_BL=s["attention"])
+    loss.backward()
+
+
+def upstream_tacl(student_BLD, teacher_BLD, masked_BL, *, temperature=0.01):
+    """TaCL as upstream computes it (yxuansu/TaCL pretraining/bert_contrastive.py): cosine over
+    temperature against every position of the sequence, [PAD] included."""
+    B, L, _ = student_BLD.shape
+    s = student_BLD / student_BLD.norm(dim=2, keepdim=True)
+    t = teacher_BLD / teacher_BLD.norm(dim=2, keepdim=True)
+    logprobs = F.log_softmax((s @ t.transpose(1, 2) / temperature).view(-1, L), dim=-1)
+    gold = torch.arange(L, device=student_BLD.device).expand(B, L).reshape(-1, 1)
+    loss = -logprobs.gather(-1, gold).view(B, L) * masked_BL
+    return loss.sum() / masked_BL.sum()
+
+
+def step_tacl_upstream(args, s):
+    upstream_tacl(s["student"], s["teacher"], s["masked"].float()).backward()
+
+
+def setup_bert(args, device):
+    from transformers import BertForMaskedLM
+
+    config = _bert_config(args)
+    model = BertForMaskedLM(config).to(device).train()
+    g = torch.Generator(device="cpu").manual_seed(2)
+    B, L = args.batch_size, args.seq_len
+    input_ids = torch.randint(5, config.vocab_size, (B, L), generator=g)
+    labels = torch.where(torch.rand(B, L, generator=g) < 0.15, input_ids, torch.full_like(input_ids, -100))
+    return dict(model=model, input_ids=input_ids.to(device), labels=labels.to(device),
+                attention=torch.ones(B, L, dtype=torch.long, device=device))
+
+
+def step_bert(args, s):
+    s["model"].zero_grad(set_to_none=True)
+    out = s["model"](input_ids=s["input_ids"], attention_mask=s["attention"], labels=s["labels"])
+    out.loss.backward()
+
+
+CASES = {
+    "taco_loss": (setup_taco, step_taco),
+    "taco_upstream": (setup_taco, step_taco_upstream),
+    "tacl_loss": (setup_tacl, step_tacl),
+    "tacl_upstream": (setup_tacl, step_tacl_upstream),
+    "bert_base_mlm_step": (setup_bert, step_bert),
+}
+
+
+def _clear_grads(state):
+    for value in state.values():
+        if isinstance(value, torch.Tensor):
+            value.grad = None
+
+
+def _measure(name, args, queue):
+    """Runs in a fresh process: warm-up, then `repeats` timed forward+backward calls."""
+    torch.set_num_threads(args.threads) if args.threads else None
+    device = torch.device(args.device)
+    setup, step = CASES[name]
+    state = setup(args, device)
+    repeats = args.bert_repeats if name.startswith("bert") else args.repeats
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    # A warm-up call first: one-time costs (kernel selection, thread pools, library loading) stay
+    # out of both the times and the baseline.
+    step(args, state)
+    _clear_grads(state)
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        before = psutil.Process().memory_info().rss
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        step(args, state)
+        sync()
+        times.append(time.perf_counter() - start)
+        _clear_grads(state)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() - before
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before  # ru_maxrss is in KiB
+    queue.put(dict(time_s=statistics.median(times), times_s=times, peak_mb=max(peak, 0) / 2**20))
+
+
+def measure(name, args):
+    # A fixed mmap threshold: glibc then serves every large block by mmap and unmaps it on free, so
+    # the resident set follows live memory and ru_maxrss sees the true peak.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=_measure, args=(name, args, queue))
+    process.start()
+    result = queue.get()
+    process.join()
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small shapes and a tiny BERT (smoke run)")
+    parser.add_argument("--batch_size", type=int, default=None, help="default 32 (--quick: 4)")
+    parser.add_argument("--seq_len", type=int, default=None, help="default 256 (--quick: 64)")
+    parser.add_argument("--hidden", type=int, default=None, help="default 768 (--quick: 64)")
+    parser.add_argument("--num_negatives", type=int, default=None, help="default 50 (--quick: 8)")
+    parser.add_argument("--pool_size", type=int, default=TACO_POOL_SIZE)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--bert_repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--skip_bert", action="store_true", help="leave out the BERT-base step (slow on CPU)")
+    args = parser.parse_args(argv)
+    defaults = dict(batch_size=(4, 32), seq_len=(64, 256), hidden=(64, 768), num_negatives=(8, 50))
+    for key, (quick, full) in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else full)
+    if args.batch_size < 2:
+        parser.error(f"--batch_size {args.batch_size}: TACO needs >= 2 sequences")
+
+    names = [n for n in CASES if not (args.skip_bert and n.startswith("bert"))]
+    results = {name: measure(name, args) for name in names}
+    summary = {
+        "taco_speedup_vs_upstream": results["taco_upstream"]["time_s"] / results["taco_loss"]["time_s"],
+        "taco_memory_ratio_vs_upstream": results["taco_upstream"]["peak_mb"] / max(results["taco_loss"]["peak_mb"], 1e-9),
+        "tacl_speedup_vs_upstream": results["tacl_upstream"]["time_s"] / results["tacl_loss"]["time_s"],
+        "tacl_memory_ratio_vs_upstream": results["tacl_upstream"]["peak_mb"] / max(results["tacl_loss"]["peak_mb"], 1e-9),
+    }
+    if "bert_base_mlm_step" in results:
+        bert = results["bert_base_mlm_step"]["time_s"]
+        for name in ("taco_loss", "taco_upstream", "tacl_loss", "tacl_upstream"):
+            summary[f"{name}_share_of_bert_step"] = results[name]["time_s"] / bert
+    config = {k: v for k, v in vars(args).items()}
+    config.update(torch=torch.__version__, threads_default=torch.get_num_threads(), dtype="float32")
+    print(json.dumps(dict(config=config, results=results, summary=summary), indent=2))
+
+
+if __name__ == "__main__":
+    main()
