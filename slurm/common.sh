@@ -1,0 +1,150 @@
+# Shared by the launchers in slurm/ (sourced, not run). Bash helpers for the three jobs:
+# finding the repository from inside a job, reading the allocation, the per-task launch
+# environment, dry runs that print what would run, and the requeue decision after a pre-emption.
+#
+# Every function prints its own messages with the "[slurm]" prefix; the job logs stay greppable.
+
+SLURM_LOG_PREFIX="[slurm]"
+
+say() { printf '%s %s\n' "$SLURM_LOG_PREFIX" "$*"; }
+
+# A user error: the message names the variable and the value, and the exit code is 2 (as the
+# Python entry points do).
+die() {
+    printf '%s error: %s\n' "$SLURM_LOG_PREFIX" "$*" >&2
+    exit 2
+}
+
+# Print a command as a shell would re-read it (quoted), prefixed with "+".
+print_cmd() {
+    local out="+" arg
+    for arg in "$@"; do out+=" $(printf '%q' "$arg")"; done
+    printf '%s\n' "$out"
+}
+
+# 1 for 1/true/yes/on (any case), else 0.
+truthy() {
+    case "${1,,}" in 1|true|yes|on) return 0 ;; *) return 1 ;; esac
+}
+
+require_int() {  # NAME VALUE [MIN]
+    [[ "$2" =~ ^[0-9]+$ ]] || die "$1=$2 is not a whole number"
+    (( $2 >= ${3:-0} )) || die "$1=$2 must be >= ${3:-0}"
+}
+
+# ---------------------------------------------------------------------------------------------------
+# The allocation
+# ---------------------------------------------------------------------------------------------------
+
+# Expand a Slurm host list ("gpu[001-003,007],cpu1") into one name per line. scontrol does it
+# when it can reach a configuration; the fallback covers dry runs on a laptop without Slurm.
+expand_hostlist() {
+    local list="$1"
+    if command -v scontrol >/dev/null 2>&1 && scontrol show hostnames "$list" 2>/dev/null; then
+        return 0
+    fi
+    local rest="$list" item prefix ranges r lo hi width i
+    while [[ -n "$rest" ]]; do
+        if [[ "$rest" =~ ^([^,\[]+)\[([^]]+)\](,?)(.*)$ ]]; then
+            prefix="${BASH_REMATCH[1]}" ranges="${BASH_REMATCH[2]}" rest="${BASH_REMATCH[4]}"
+            IFS=',' read -ra items <<<"$ranges"
+            for r in "${items[@]}"; do
+                lo="${r%-*}" hi="${r#*-}" width="${#lo}"
+                for ((i = 10#$lo; i <= 10#$hi; i++)); do printf '%s%0*d\n' "$prefix" "$width" "$i"; done
+            done
+        else
+            item="${rest%%,*}"
+            [[ "$rest" == *,* ]] && rest="${rest#*,}" || rest=""
+            printf '%s\n' "$item"
+        fi
+    done
+}
+
+# The address other nodes reach NODE at: Slurm's own NodeAddr (what slurmctld uses), which is the
+# node's name on most clusters and an IP where names do not resolve (our one-machine test cluster).
+node_addr() {
+    local node="$1" addr=""
+    if command -v scontrol >/dev/null 2>&1; then
+        addr=$(scontrol show node "$node" 2>/dev/null | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p' | head -n 1)
+    fi
+    printf '%s\n' "${addr:-$node}"
+}
+
+# Ranks per node of the current allocation: --ntasks-per-node, else the first count of
+# SLURM_TASKS_PER_NODE ("8(x8)" -> 8).
+alloc_tasks_per_node() {
+    if [[ -n "${SLURM_NTASKS_PER_NODE:-}" ]]; then
+        printf '%s\n' "${SLURM_NTASKS_PER_NODE%%(*}"
+    else
+        local t="${SLURM_TASKS_PER_NODE:-1}"
+        printf '%s\n' "${t%%[(,]*}"
+    fi
+}
+
+# A port in [base, base + span) that is a function of the job id, so jobs sharing a node differ
+# and a requeued job (same id) finds the same one.
+port_from_job() {  # JOB_ID BASE SPAN
+    local id="${1//[^0-9]/}"
+    printf '%s\n' $(( $2 + 10#${id:-0} % $3 ))
+}
+
+# ---------------------------------------------------------------------------------------------------
+# Pre-emption and requeue
+# ---------------------------------------------------------------------------------------------------
+
+# The step of the last complete checkpoint in SAVE_DIR (DeepSpeed's `latest` tag file, written
+# only after a checkpoint is complete), or -1 when there is none.
+latest_checkpoint_step() {
+    local f="$1/checkpoints/latest" tag
+    [[ -f "$f" ]] || { echo -1; return; }
+    tag=$(tr -d '[:space:]' <"$f")
+    if [[ "$tag" =~ ^step_0*([0-9]+)$ ]]; then echo "${BASH_REMATCH[1]}"; else echo -1; fi
+}
+
+# Run "$@" (an srun command) in the background and wait for it, forwarding USR1/TERM that reach
+# the batch shell to the step. The batch shell only receives them when they are sent to it
+# (`--signal=B:USR1@...`, `scancel --batch`/`--full`); the header's `--signal=USR1@180` signals
+# the step's tasks directly. The trainer treats repeated signals as one. Sets STEP_RC and
+# SIGNALLED (the signal name seen by the batch shell, or empty).
+run_step_forwarding_signals() {
+    SIGNALLED=""
+    "$@" &
+    local pid=$!
+    # srun forwards USR1 and TERM to every task of its step.
+    trap "SIGNALLED=USR1; kill -s USR1 $pid 2>/dev/null || true" USR1
+    trap "SIGNALLED=TERM; kill -s TERM $pid 2>/dev/null || true" TERM
+    # wait returns >128 when a trapped signal interrupts it while the step still runs: wait again.
+    # Once it is gone, wait returns its remembered exit status.
+    while kill -0 "$pid" 2>/dev/null; do wait "$pid" || true; done
+    set +e
+    wait "$pid"
+    STEP_RC=$?
+    set -e
+    trap - USR1 TERM
+}
+
+# After a step that exited 0: requeue this job if training stopped before MAX_STEPS (a
+# pre-emption signal made the trainer save and exit 0). Exits the script in every case.
+finish_or_requeue() {  # SAVE_DIR MAX_STEPS MAX_REQUEUES
+    local save_dir="$1" max_steps="$2" max_requeues="$3" at restarts
+    at=$(latest_checkpoint_step "$save_dir")
+    restarts="${SLURM_RESTART_COUNT:-0}"
+    if (( at >= max_steps )); then
+        say "training finished: checkpoint at step $at of $max_steps (restarts: $restarts)"
+        return 0
+    fi
+    say "the step exited 0 at step $at of $max_steps${SIGNALLED:+ after SIG$SIGNALLED}: pre-empted"
+    if (( restarts >= max_requeues )); then
+        say "not requeueing: this job was already requeued $restarts times (MAX_REQUEUES=$max_requeues)"
+        exit 3
+    fi
+    say "requeueing job $SLURM_JOB_ID (restart $((restarts + 1))); it resumes from step $at"
+    # Slurm ends this script now; the requeued job runs it again from the top, with --resume auto.
+    if ! scontrol requeue "$SLURM_JOB_ID"; then
+        say "scontrol requeue failed (was the job submitted with --no-requeue?); submit the same script" \
+            "again: it resumes from step $at"
+        exit 3
+    fi
+    sleep 60  # the requeue ends this shell; never run on into the success path
+    exit 3
+}

@@ -1,0 +1,183 @@
+# Sourced by taco_64gpu.sh and tacl_8gpu.sh once they have set their defaults: one training job
+# under Slurm, in three modes.
+#
+#   inside an allocation (sbatch, or bash inside salloc): map Slurm to torch.distributed, run
+#       pipeline/train.py under `srun --kill-on-bad-exit=1` with `--resume auto`, and requeue the
+#       job when the trainer stopped early after a pre-emption signal;
+#   outside one, DRY_RUN=0: submit this script with sbatch, sized by NODES and GPUS_PER_NODE;
+#   DRY_RUN=1 (inside or outside): print the resolved srun command and the per-task mapping,
+#       start nothing.
+#
+# Needs from the caller: SCRIPT (its own path), DEFAULT_NODES, DEFAULT_GPUS_PER_NODE, and the
+# knob defaults (see the top of taco_64gpu.sh). Needs common.sh sourced.
+
+# The trainer's arguments, from the knobs. Sets TRAIN_CMD.
+build_train_cmd() {
+    local d
+    TRAIN_CMD=("$PYTHON" "$REPO/pipeline/train.py" --ds_config "$DS_CONFIG" --objective "$OBJECTIVE")
+    IFS=',' read -ra _data <<<"$DATA"
+    for d in "${_data[@]}"; do TRAIN_CMD+=(--data "$d"); done
+    [[ -n "${DATA_WEIGHTS:-}" ]] && TRAIN_CMD+=(--data_weights "$DATA_WEIGHTS")
+    if [[ -n "${INIT_FROM:-}" ]]; then
+        TRAIN_CMD+=(--init_from "$INIT_FROM")
+    else
+        TRAIN_CMD+=(--model_config "$MODEL_CONFIG")
+    fi
+    [[ -n "${TOKENIZER:-}" ]] && TRAIN_CMD+=(--tokenizer "$TOKENIZER")
+    TRAIN_CMD+=(--max_steps "$MAX_STEPS" --save_dir "$SAVE_DIR" --resume auto --save_every "$SAVE_EVERY"
+                --seed "$SEED" --dist_timeout_s "$DIST_TIMEOUT_S")
+    [[ -n "${EXPORT_DIR:-}" ]] && TRAIN_CMD+=(--export_dir "$EXPORT_DIR")
+    # EXTRA_ARGS is split on white space: flags without spaces in their values.
+    local extra
+    read -ra extra <<<"${EXTRA_ARGS:-}"
+    TRAIN_CMD+=("${extra[@]}")
+}
+
+check_knobs() {
+    require_int MAX_STEPS "$MAX_STEPS" 1
+    require_int SAVE_EVERY "$SAVE_EVERY" 1
+    require_int MAX_REQUEUES "$MAX_REQUEUES" 0
+    [[ "$DIST_TIMEOUT_S" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "DIST_TIMEOUT_S=$DIST_TIMEOUT_S is not a number of seconds"
+    [[ -n "$DATA" ]] || die "DATA is empty: set DATA to a shard folder (or several, comma-separated)"
+    [[ -n "$SAVE_DIR" ]] || die "SAVE_DIR is empty: set it to a folder on shared storage"
+    if [[ -n "${REQUIRE_INIT_FROM:-}" && -z "${INIT_FROM:-}" ]]; then
+        die "INIT_FROM is not set: give the pre-trained BERT folder (config.json + weights) to continue from"
+    fi
+    [[ -n "${INIT_FROM:-}" || -n "$MODEL_CONFIG" ]] || die "set MODEL_CONFIG (tiny|base|large|cfg.json) or INIT_FROM"
+}
+
+# Local inputs that do not exist fail here, on the login node, rather than after the queue wait.
+check_paths_exist() {
+    local d
+    IFS=',' read -ra _data <<<"$DATA"
+    for d in "${_data[@]}"; do
+        [[ "$d" == *://* || -d "$d" ]] || die "DATA: no such folder: $d (build shards with preprocessing/build_shards.py)"
+    done
+    [[ -f "$DS_CONFIG" ]] || die "DS_CONFIG: no such file: $DS_CONFIG"
+    [[ -z "${INIT_FROM:-}" || -d "$INIT_FROM" ]] || die "INIT_FROM: no such folder: $INIT_FROM"
+}
+
+# "global batch 256 = micro 32 x accumulation 1 x 8 ranks", read from the DeepSpeed JSON (its owner).
+describe_batch() {  # WORLD_SIZE
+    "$PYTHON" - "$DS_CONFIG" "$1" <<'EOF' 2>/dev/null || echo "global batch: cannot read $DS_CONFIG"
+import json, sys
+ds = json.load(open(sys.argv[1]))
+micro, accum, world = ds["train_micro_batch_size_per_gpu"], ds.get("gradient_accumulation_steps", 1), int(sys.argv[2])
+print(f"global batch {micro * accum * world} = micro {micro} x accumulation {accum} x {world} ranks ({sys.argv[1]})")
+EOF
+}
+
+# The environment of a run: CPU mode for tests and laptops, one thread pool per task.
+export_run_env() {  # CPUS_PER_TASK
+    if truthy "$CPU_MODE"; then
+        # DeepSpeed's CPU accelerator; hiding the GPUs makes the trainer pick gloo over nccl.
+        export DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES=""
+    fi
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$1}"
+    # The srun steps must not inherit a launcher's per-process variables from the submitting shell.
+    unset RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE
+}
+
+submit_self() {
+    local args=(--nodes="$NODES" --ntasks-per-node="$GPUS_PER_NODE")
+    if truthy "$CPU_MODE"; then args+=(--gpus-per-node=0); else args+=(--gpus-per-node="$GPUS_PER_NODE"); fi
+    [[ -n "${PARTITION:-}" ]] && args+=(--partition="$PARTITION")
+    [[ -n "${ACCOUNT:-}" ]] && args+=(--account="$ACCOUNT")
+    [[ -n "${TIME_LIMIT:-}" ]] && args+=(--time="$TIME_LIMIT")
+    check_paths_exist
+    mkdir -p logs  # the header's --output=logs/%x-%j.out; Slurm does not create folders
+    say "submitting: $NODES node(s) x $GPUS_PER_NODE rank(s)"
+    print_cmd sbatch "${args[@]}" "$@" "$SCRIPT"
+    exec sbatch "${args[@]}" "$@" "$SCRIPT"
+}
+
+dry_run() {  # NODELIST TASKS_PER_NODE CPUS_PER_TASK JOB_ID
+    local nodelist="$1" tpn="$2" cpt="$3" job="$4" nodes n i=0
+    mapfile -t nodes < <(expand_hostlist "$nodelist")
+    local world=$(( ${#nodes[@]} * tpn ))
+    local master_addr master_port
+    master_addr=$(node_addr "${nodes[0]}")
+    master_port=$(port_from_job "$job" 20000 20000)
+    say "dry run: nothing is started"
+    say "allocation: ${#nodes[@]} node(s) ($nodelist) x $tpn task(s), $cpt CPU(s) per task; job id $job"
+    say "$(describe_batch "$world")"
+    truthy "$CPU_MODE" && say "CPU mode: DS_ACCELERATOR=cpu, CUDA_VISIBLE_DEVICES='' (gloo)"
+    say "MASTER_ADDR=$master_addr MASTER_PORT=$master_port WORLD_SIZE=$world LOCAL_WORLD_SIZE=$tpn" \
+        "JOB_SCRATCH=$LOCAL_DISK/tokencl-$job"
+    build_train_cmd
+    print_cmd srun --kill-on-bad-exit=1 --nodes="${#nodes[@]}" --ntasks="$world" --ntasks-per-node="$tpn" \
+        --cpus-per-task="$cpt" bash "$REPO/slurm/task_env.sh" "${TRAIN_CMD[@]}"
+    for n in "${nodes[@]}"; do
+        say "node $n: RANK $((i * tpn))..$((i * tpn + tpn - 1)), LOCAL_RANK 0..$((tpn - 1))," \
+            "TMPDIR=$LOCAL_DISK/tokencl-$job/$n"
+        i=$((i + 1))
+    done
+}
+
+run_in_allocation() {
+    local nnodes="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}" tpn cpt
+    tpn=$(alloc_tasks_per_node)
+    cpt="${SLURM_CPUS_PER_TASK:-1}"
+    # NODES / GPUS_PER_NODE size a submission; inside a job the allocation is what counts.
+    [[ -z "${NODES_SET:-}" || "$NODES" == "$nnodes" ]] ||
+        die "NODES=$NODES but this allocation has $nnodes node(s): size the job with sbatch --nodes (or bash $SCRIPT)"
+    [[ -z "${GPUS_PER_NODE_SET:-}" || "$GPUS_PER_NODE" == "$tpn" ]] ||
+        die "GPUS_PER_NODE=$GPUS_PER_NODE but this allocation runs $tpn task(s) per node: use sbatch --ntasks-per-node"
+    if ! truthy "$CPU_MODE" && [[ -n "${SLURM_GPUS_ON_NODE:-}" && "$SLURM_GPUS_ON_NODE" != "$tpn" ]]; then
+        die "one task per GPU: this allocation has $SLURM_GPUS_ON_NODE GPU(s) and $tpn task(s) per node" \
+            "(set --ntasks-per-node equal to --gpus-per-node, or CPU_MODE=1)"
+    fi
+    if truthy "$DRY_RUN"; then
+        dry_run "$SLURM_JOB_NODELIST" "$tpn" "$cpt" "$SLURM_JOB_ID"
+        return 0
+    fi
+
+    local nodes world
+    mapfile -t nodes < <(expand_hostlist "$SLURM_JOB_NODELIST")
+    world=$(( nnodes * tpn ))
+    export_run_env "$cpt"
+    MASTER_ADDR=$(node_addr "${nodes[0]}")
+    MASTER_PORT=$(port_from_job "$SLURM_JOB_ID" 20000 20000)
+    export MASTER_ADDR MASTER_PORT
+    export JOB_SCRATCH="$LOCAL_DISK/tokencl-$SLURM_JOB_ID"
+
+    say "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $nnodes node(s) ($SLURM_JOB_NODELIST) x $tpn" \
+        "task(s), world size $world, objective $OBJECTIVE, max_steps $MAX_STEPS, save_dir $SAVE_DIR"
+    say "$(describe_batch "$world")"
+    say "MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT JOB_SCRATCH=$JOB_SCRATCH/<node>"
+    build_train_cmd
+    local srun_cmd=(srun --kill-on-bad-exit=1 --nodes="$nnodes" --ntasks="$world" --ntasks-per-node="$tpn"
+                    --cpus-per-task="$cpt" bash "$REPO/slurm/task_env.sh" "${TRAIN_CMD[@]}")
+    print_cmd "${srun_cmd[@]}"
+
+    run_step_forwarding_signals "${srun_cmd[@]}"
+    if (( STEP_RC != 0 )); then
+        # A dead or hung rank ends here: srun --kill-on-bad-exit stops the others, and a rank
+        # stuck in a collective fails after --dist_timeout_s. Not requeued: a crash would repeat.
+        say "the training step failed with exit code $STEP_RC; resubmit the same script to resume from" \
+            "checkpoint step $(latest_checkpoint_step "$SAVE_DIR")"
+        exit "$STEP_RC"
+    fi
+    finish_or_requeue "$SAVE_DIR" "$MAX_STEPS" "$MAX_REQUEUES"
+    # Done: the node-local scratch of this job is no longer needed on any node.
+    srun --nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1 rm -rf "$JOB_SCRATCH" || true
+}
+
+train_main() {
+    [[ -n "${NODES:-}" ]] && NODES_SET=1
+    [[ -n "${GPUS_PER_NODE:-}" ]] && GPUS_PER_NODE_SET=1
+    NODES="${NODES:-$DEFAULT_NODES}"
+    GPUS_PER_NODE="${GPUS_PER_NODE:-$DEFAULT_GPUS_PER_NODE}"
+    require_int NODES "$NODES" 1
+    require_int GPUS_PER_NODE "$GPUS_PER_NODE" 1
+    check_knobs
+    if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+        run_in_allocation
+    elif truthy "$DRY_RUN"; then
+        local last=$(printf '%03d' "$NODES")
+        dry_run "node[001-$last]" "$GPUS_PER_NODE" "$DEFAULT_CPUS_PER_TASK" 12345
+        say "(outside Slurm: example node names and job id; submit with: bash $SCRIPT, or sbatch $SCRIPT)"
+    else
+        submit_self "$@"
+    fi
+}
