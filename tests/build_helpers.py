@@ -106,3 +106,30 @@ def squash(text: str) -> str:
 
 def decode_squashed(tokenizer, ids: np.ndarray) -> str:
     return squash(tokenizer.decode([int(i) for i in ids], skip_special_tokens=True))
+
+
+def reference_zh_starts(tokenizer, sentence: str) -> list[int]:
+    """Reference word_starts of one Chinese sentence, token by token with offsets: a token that is
+    one ideograph (or [UNK] for one) starts a word where rjieba starts one; any other token by its
+    spelling (WordPiece: not '##'; SentencePiece: '▁'); the first token always starts a word.
+    `tokenizer` is a `tokenizers.Tokenizer`."""
+    import rjieba
+
+    starts, pos = set(), 0
+    for word in rjieba.cut(sentence):
+        starts.add(pos)
+        pos += len(word)
+    wordpiece = type(tokenizer.model).__name__ == "WordPiece"
+    e = tokenizer.encode(sentence, add_special_tokens=False)
+    out = []
+    for j, (token, (lo, hi)) in enumerate(zip(e.tokens, e.offsets)):
+        piece = sentence[lo:hi]
+        if j == 0:
+            out.append(1)
+        elif len(piece) == 1 and "\u4e00" <= piece <= "\u9fff" and token in (piece, "[UNK]"):
+            out.append(int(lo in starts))
+        elif wordpiece:
+            out.append(int(not token.startswith("##")))
+        else:
+            out.append(int(token.startswith("▁")))
+    return out

@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import rjieba
-from build_helpers import chinese_docs, english_docs, squash, train_tokenizer_dir
+from build_helpers import chinese_docs, english_docs, reference_zh_starts, squash, train_tokenizer_dir
 from transformers import AutoTokenizer
 
 from preprocessing.errors import UsageError
@@ -65,30 +65,6 @@ def test_english_word_starts_follow_wordpiece_continuations(tok_dir):
     assert ws.tolist() == expected
 
 
-def reference_zh_starts(enc: SentenceEncoder, sentence: str) -> list[int]:
-    """Per token: a token that is one ideograph (or [UNK] for one) starts a word where rjieba starts one;
-    any other token by its spelling (WordPiece: not '##'; SentencePiece: '▁'); a sentence's
-    first token always starts a word."""
-    starts, pos = set(), 0
-    for word in rjieba.cut(sentence):
-        starts.add(pos)
-        pos += len(word)
-    wordpiece = type(enc.tok.model).__name__ == "WordPiece"
-    e = enc.tok.encode(sentence, add_special_tokens=False)
-    out = []
-    for j, (token, (lo, hi)) in enumerate(zip(e.tokens, e.offsets)):
-        piece = sentence[lo:hi]
-        if j == 0:
-            out.append(1)
-        elif len(piece) == 1 and CJK(piece) and token in (piece, "[UNK]"):
-            out.append(int(lo in starts))
-        elif wordpiece:
-            out.append(int(not token.startswith("##")))
-        else:
-            out.append(int(token.startswith("▁")))
-    return out
-
-
 def test_chinese_word_starts_agree_with_rjieba(tok_dir):
     enc = SentenceEncoder(Path(tok_dir, "tokenizer.json").read_text())
     sentences = zh_sentences()
@@ -100,7 +76,7 @@ def test_chinese_word_starts_agree_with_rjieba(tok_dir):
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     for i, sentence in enumerate(sentences):
         got = ws[offsets[i]:offsets[i + 1]].tolist()
-        assert got == reference_zh_starts(enc, sentence), sentence
+        assert got == reference_zh_starts(enc.tok, sentence), sentence
     multi_char_words = sum(len(w) > 1 for s in sentences for w in rjieba.cut(s))
     assert multi_char_words > 100 and (ws == 0).sum() > 100  # the test exercises real words
 
