@@ -6,10 +6,11 @@ padding included), each also as a share of a BERT-base MLM forward+backward on t
     python pipeline/bench_losses.py --quick         # small shapes and a tiny BERT: a smoke run
     python pipeline/bench_losses.py --device cuda   # the same on a GPU
 
-Prints one JSON object. Every measurement runs in a fresh process, so its peak memory is its own:
-on CPU the rise of the peak resident set (ru_maxrss) over the resident set before the measured
-calls (after a warm-up call), on CUDA torch.cuda.max_memory_allocated over the allocation before
-them.
+Prints one JSON object. Times: medians over --repeats rounds in which the four loss cases run
+interleaved in one process (load on a shared machine drifts more between processes than between
+cases), after a warm-up call. Peak memory: each case in a fresh process, after a warm-up call, the
+rise of one call's peak over the memory held before it: on CPU the peak resident set (VmHWM, reset
+just before the call; Linux), on CUDA torch.cuda.max_memory_allocated. Set --threads to pin torch's CPU threads.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import resource
+import re
 import statistics
 import sys
 import time
@@ -32,7 +33,8 @@ import torch.nn.functional as F
 
 from pipeline.losses import TACO_POOL_SIZE, tacl_loss, taco_loss
 
-# Each case: (setup(args) -> state, step(state) -> None). setup builds inputs outside the measurement.
+# Each case: (setup(args, device) -> state, step(args, state) -> None); setup builds the inputs
+# outside the measurement.
 
 
 def _bert_config(args):
@@ -158,56 +160,87 @@ CASES = {
 }
 
 
+LOSS_CASES = [name for name in CASES if not name.startswith("bert")]
+
+
 def _clear_grads(state):
     for value in state.values():
         if isinstance(value, torch.Tensor):
             value.grad = None
 
 
-def _measure(name, args, queue):
-    """Runs in a fresh process: warm-up, then `repeats` timed forward+backward calls."""
-    torch.set_num_threads(args.threads) if args.threads else None
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(step, args, state, device) -> float:
+    _clear_grads(state)
+    _sync(device)
+    start = time.perf_counter()
+    step(args, state)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def time_cases(names, args):
+    """Median forward+backward seconds per case. The cases run interleaved, round after round, in
+    one process: on a shared machine load drifts between processes more than between cases."""
+    device = torch.device(args.device)
+    states = {name: CASES[name][0](args, device) for name in names}
+    for name in names:  # warm-up: kernel selection, thread pools, lazy initialisation
+        _timed(CASES[name][1], args, states[name], device)
+    times = {name: [] for name in names}
+    for _ in range(args.repeats):
+        for name in names:
+            times[name].append(_timed(CASES[name][1], args, states[name], device))
+    return {name: dict(time_s=statistics.median(t), times_s=t) for name, t in times.items()}
+
+
+def _peak_memory(name, args, queue):
+    """Runs in a fresh process: setup, a warm-up call, then the peak of one more call over the
+    memory held before it."""
     device = torch.device(args.device)
     setup, step = CASES[name]
     state = setup(args, device)
-    repeats = args.bert_repeats if name.startswith("bert") else args.repeats
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    # A warm-up call first: one-time costs (kernel selection, thread pools, library loading) stay
-    # out of both the times and the baseline.
-    step(args, state)
+    _timed(step, args, state, device)
     _clear_grads(state)
-    sync()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
     else:
+        _reset_peak_rss()
         before = psutil.Process().memory_info().rss
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        step(args, state)
-        sync()
-        times.append(time.perf_counter() - start)
-        _clear_grads(state)
+    _timed(step, args, state, device)
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated() - before
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before  # ru_maxrss is in KiB
-    queue.put(dict(time_s=statistics.median(times), times_s=times, peak_mb=max(peak, 0) / 2**20))
+        peak = _peak_rss() - before
+    queue.put(max(peak, 0) / 2**20)
 
 
-def measure(name, args):
+def _reset_peak_rss() -> None:
+    """Linux: writing 5 to clear_refs resets the process's peak resident set (VmHWM) to its current
+    one, so the next reading is the peak of what follows, not of the imports before."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _peak_rss() -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
+
+
+def peak_memory_mb(name, args) -> float:
     # A fixed mmap threshold: glibc then serves every large block by mmap and unmaps it on free, so
-    # the resident set follows live memory and ru_maxrss sees the true peak.
+    # the resident set follows live memory (freed blocks do not linger in it).
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
     context = mp.get_context("spawn")
     queue = context.Queue()
-    process = context.Process(target=_measure, args=(name, args, queue))
+    process = context.Process(target=_peak_memory, args=(name, args, queue))
     process.start()
-    result = queue.get()
+    peak = queue.get()
     process.join()
-    return result
+    return peak
 
 
 def main(argv=None):
@@ -217,9 +250,9 @@ def main(argv=None):
     parser.add_argument("--seq_len", type=int, default=None, help="default 256 (--quick: 64)")
     parser.add_argument("--hidden", type=int, default=None, help="default 768 (--quick: 64)")
     parser.add_argument("--num_negatives", type=int, default=None, help="default 50 (--quick: 8)")
-    parser.add_argument("--pool_size", type=int, default=TACO_POOL_SIZE)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--bert_repeats", type=int, default=2)
+    parser.add_argument("--pool_size", type=int, default=TACO_POOL_SIZE, help="taco_loss's pool rows")
+    parser.add_argument("--repeats", type=int, default=7, help="timed rounds of the loss cases")
+    parser.add_argument("--bert_repeats", type=int, default=3, help="timed BERT-base steps")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--skip_bert", action="store_true", help="leave out the BERT-base step (slow on CPU)")
@@ -231,13 +264,25 @@ def main(argv=None):
     if args.batch_size < 2:
         parser.error(f"--batch_size {args.batch_size}: TACO needs >= 2 sequences")
 
-    names = [n for n in CASES if not (args.skip_bert and n.startswith("bert"))]
-    results = {name: measure(name, args) for name in names}
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = time_cases(LOSS_CASES, args)
+    if not args.skip_bert:
+        results.update(time_cases(["bert_base_mlm_step"], argparse.Namespace(**{**vars(args),
+                                                                               "repeats": args.bert_repeats})))
+    for name in results:
+        results[name]["peak_mb"] = peak_memory_mb(name, args)
+    def memory_ratio(upstream, ours):
+        # Below ~1 MB the resident-set reading is page noise (--quick): no ratio.
+        return upstream / ours if ours >= 1.0 else None
+
     summary = {
         "taco_speedup_vs_upstream": results["taco_upstream"]["time_s"] / results["taco_loss"]["time_s"],
-        "taco_memory_ratio_vs_upstream": results["taco_upstream"]["peak_mb"] / max(results["taco_loss"]["peak_mb"], 1e-9),
+        "taco_memory_ratio_vs_upstream": memory_ratio(results["taco_upstream"]["peak_mb"],
+                                                      results["taco_loss"]["peak_mb"]),
         "tacl_speedup_vs_upstream": results["tacl_upstream"]["time_s"] / results["tacl_loss"]["time_s"],
-        "tacl_memory_ratio_vs_upstream": results["tacl_upstream"]["peak_mb"] / max(results["tacl_loss"]["peak_mb"], 1e-9),
+        "tacl_memory_ratio_vs_upstream": memory_ratio(results["tacl_upstream"]["peak_mb"],
+                                                      results["tacl_loss"]["peak_mb"]),
     }
     if "bert_base_mlm_step" in results:
         bert = results["bert_base_mlm_step"]["time_s"]

@@ -132,6 +132,14 @@ def tacl_loss(
     Out: (loss, metrics) with "loss", "acc", "num_anchors", "num_skipped" (always 0 here),
     "gathered_bytes" (bytes this rank received in this call).
     """
+    with _fp32_only(student_BLD):
+        return _tacl_loss(student_BLD, teacher_BLD=teacher_BLD, masked_BL=masked_BL,
+                          attention_mask_BL=attention_mask_BL, temperature=temperature, negatives=negatives,
+                          num_pool=num_pool, group=group, generator=generator)
+
+
+def _tacl_loss(student_BLD, *, teacher_BLD, masked_BL, attention_mask_BL, temperature, negatives, num_pool, group,
+               generator):
     _check_pair("tacl_loss", student_BLD, "teacher_BLD", teacher_BLD, attention_mask_BL)
     _check_mask("tacl_loss", "masked_BL", masked_BL, attention_mask_BL)
     if temperature <= 0:
@@ -221,6 +229,15 @@ def taco_loss(
     attention_mask_BL [B, L] nonzero for real tokens; masked_BL bool [B, L].
     Out: (loss, metrics) with "loss", "acc", "num_anchors", "num_skipped", "gathered_bytes".
     """
+    with _fp32_only(hidden_BLD):
+        return _taco_loss(hidden_BLD, embeddings_BLD=embeddings_BLD, attention_mask_BL=attention_mask_BL,
+                          anchors=anchors, masked_BL=masked_BL, window=window, num_negatives=num_negatives,
+                          temperature=temperature, detach=detach, generator=generator, group=group,
+                          pool_size=pool_size)
+
+
+def _taco_loss(hidden_BLD, *, embeddings_BLD, attention_mask_BL, anchors, masked_BL, window, num_negatives,
+               temperature, detach, generator, group, pool_size):
     _check_pair("taco_loss", hidden_BLD, "embeddings_BLD", embeddings_BLD, attention_mask_BL)
     if anchors not in _TACO_ANCHORS:
         raise ValueError(f"taco_loss: anchors must be one of {_TACO_ANCHORS}, got {anchors!r}")
@@ -280,6 +297,11 @@ def taco_loss(
 # ---------------------------------------------------------------------------------------------------
 # Shared pieces
 # ---------------------------------------------------------------------------------------------------
+
+
+def _fp32_only(x: torch.Tensor):
+    """An autocast context would run the GEMMs in bf16/fp16; the losses need fp32 logits."""
+    return torch.autocast(device_type=x.device.type, enabled=False)
 
 
 def _positive_on_top(logits_NC: torch.Tensor, target_N: torch.Tensor) -> torch.Tensor:

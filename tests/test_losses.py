@@ -190,6 +190,20 @@ def test_tacl_bf16_inputs_give_fp32_logits():
     torch.testing.assert_close(loss_bf16, loss_fp32, rtol=1e-6, atol=1e-6)
 
 
+def test_losses_ignore_an_autocast_context():
+    (student, teacher, _), attention_BL, masked_BL = make_batch(8, D=64)
+    student = teacher + 0.5 * student
+    kw = dict(teacher_BLD=teacher, masked_BL=masked_BL, attention_mask_BL=attention_BL, temperature=0.01)
+    taco_kw = dict(embeddings_BLD=teacher, attention_mask_BL=attention_BL, num_negatives=5)
+    expected = (tacl_loss(student, **kw)[0],
+                taco_loss(student, generator=torch.Generator().manual_seed(0), **taco_kw)[0])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = (tacl_loss(student, **kw)[0], taco_loss(student, generator=torch.Generator().manual_seed(0), **taco_kw)[0])
+    for g, e in zip(got, expected):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, e)
+
+
 def test_tacl_global_pool_excludes_the_anchors_sequence():
     """If the pool held the anchor's own position, a perfect student (s = t) would see its positive
     twice and the loss would be >= log 2; excluding the own sequence keeps it near 0."""
