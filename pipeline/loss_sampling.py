@@ -8,8 +8,8 @@ concatenated batch draws, and the per-anchor draws of rank r cost O(its own anch
 
 The pool is a *stratified* sample of the real tokens of all ranks: the global token range is cut
 into P equal strata and one token is drawn from each. Every token has the same chance P/T to be in
-it, a rank holding 1/R of the tokens sends P/R (+-1) rows, so the padded all-gather wastes nothing,
-and the pool spreads evenly over the sequences.
+it, a rank holding 1/R of the tokens sends at most P/R + 2 rows (so padding the all-gather to the
+busiest rank wastes almost nothing), and the pool spreads evenly over the sequences.
 
 Legend: B sequences (this rank), L positions, D hidden size, T real tokens, N anchors (this rank),
 P pool rows (all ranks), K negatives per anchor, R ranks; `_flat` = index into this rank's B*L.
