@@ -39,7 +39,7 @@
 #   EXPORT_DIR       write the final student as a Hugging Face folder []
 #   EXTRA_ARGS       more pipeline/train.py flags, split on spaces []
 #   PYTHON           the interpreter the ranks run [python]
-#   LOCAL_DISK       node-local scratch root; the job uses LOCAL_DISK/tokencl-JOBID/NODE [$SLURM_TMPDIR or /tmp]
+#   LOCAL_DISK       node-local scratch root; the job uses LOCAL_DISK/tokencl-JOBID as TMPDIR [$SLURM_TMPDIR or /tmp]
 #   MAX_REQUEUES     stop requeueing after this many restarts [50]
 #   DRY_RUN          1: print what would run, start nothing [0]
 #

@@ -4,8 +4,8 @@
 #
 #   RANK = SLURM_PROCID, LOCAL_RANK = SLURM_LOCALID, WORLD_SIZE = tasks in the step,
 #   LOCAL_WORLD_SIZE = tasks per node; MASTER_ADDR / MASTER_PORT come from the batch script.
-#   TMPDIR = JOB_SCRATCH/<node name> when JOB_SCRATCH is set: node-local, unique per job and node
-#   (the streaming cache and shared-memory lock files go there).
+#   TMPDIR = JOB_SCRATCH when it is set: a node-local folder unique to the job, shared by the
+#   ranks of a node as streaming expects (its cache of remote shards and lock files go there).
 set -euo pipefail
 
 : "${SLURM_PROCID:?task_env.sh runs under srun}"
@@ -19,7 +19,7 @@ export LOCAL_WORLD_SIZE="${tasks_per_node%%[(,]*}"
 node="${SLURMD_NODENAME:-$(hostname -s)}"
 
 if [[ -n "${JOB_SCRATCH:-}" ]]; then
-    export TMPDIR="$JOB_SCRATCH/$node"
+    export TMPDIR="$JOB_SCRATCH"
     mkdir -p "$TMPDIR"
 fi
 

@@ -103,13 +103,12 @@ dry_run() {  # NODELIST TASKS_PER_NODE CPUS_PER_TASK JOB_ID
     say "$(describe_batch "$world")"
     truthy "$CPU_MODE" && say "CPU mode: DS_ACCELERATOR=cpu, CUDA_VISIBLE_DEVICES='' (gloo)"
     say "MASTER_ADDR=$master_addr MASTER_PORT=$master_port WORLD_SIZE=$world LOCAL_WORLD_SIZE=$tpn" \
-        "JOB_SCRATCH=$LOCAL_DISK/tokencl-$job"
+        "TMPDIR=$LOCAL_DISK/tokencl-$job (on each node)"
     build_train_cmd
     print_cmd srun --kill-on-bad-exit=1 --nodes="${#nodes[@]}" --ntasks="$world" --ntasks-per-node="$tpn" \
         --cpus-per-task="$cpt" bash "$REPO/slurm/task_env.sh" "${TRAIN_CMD[@]}"
     for n in "${nodes[@]}"; do
-        say "node $n: RANK $((i * tpn))..$((i * tpn + tpn - 1)), LOCAL_RANK 0..$((tpn - 1))," \
-            "TMPDIR=$LOCAL_DISK/tokencl-$job/$n"
+        say "node $n: RANK $((i * tpn))..$((i * tpn + tpn - 1)), LOCAL_RANK 0..$((tpn - 1))"
         i=$((i + 1))
     done
 }
@@ -144,7 +143,7 @@ run_in_allocation() {
     say "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $nnodes node(s) ($SLURM_JOB_NODELIST) x $tpn" \
         "task(s), world size $world, objective $OBJECTIVE, max_steps $MAX_STEPS, save_dir $SAVE_DIR"
     say "$(describe_batch "$world")"
-    say "MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT JOB_SCRATCH=$JOB_SCRATCH/<node>"
+    say "MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT TMPDIR=$JOB_SCRATCH (on each node)"
     build_train_cmd
     local srun_cmd=(srun --kill-on-bad-exit=1 --nodes="$nnodes" --ntasks="$world" --ntasks-per-node="$tpn"
                     --cpus-per-task="$cpt" bash "$REPO/slurm/task_env.sh" "${TRAIN_CMD[@]}")

@@ -83,3 +83,145 @@ def test_two_fake_nodes_run_one_task_each(slurm, tmp_path):
     rc, job, log = sbatch(slurm, script, env=job_env(slurm), log=tmp_path / "hello.out")
     assert rc == 0, log
     assert sorted(re.findall(r"task \d of 2 on n\d", log)) == ["task 0 of 2 on n1", "task 1 of 2 on n2"], log
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training jobs: slurm/taco_64gpu.sh scaled down
+# ---------------------------------------------------------------------------------------------------
+
+TACO = REPO / "slurm" / "taco_64gpu.sh"
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    """Shards made by our builder (its CLI, a local Ray), as a user would make them."""
+    out = tmp_path_factory.mktemp("slurm_data") / "shards_local"
+    cmd = [sys.executable, str(REPO / "preprocessing" / "build_shards.py"), *BUILD_ARGS, "--output", str(out),
+           "--num_workers", "2", "--no_progress"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ds_config(tmp_path_factory) -> Path:
+    """zero2.json with a micro-batch of 4 in fp32: fast on CPU."""
+    cfg = json.loads((REPO / "deepspeed_configs" / "zero2.json").read_text())
+    cfg["train_micro_batch_size_per_gpu"] = 4
+    cfg["bf16"] = {"enabled": False}
+    path = tmp_path_factory.mktemp("slurm_ds") / "zero2_tiny.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def taco_knobs(*, data: Path, save_dir: Path, ds_config: Path, max_steps: int, save_every: int = 1000,
+               **more: str) -> dict[str, str]:
+    knobs = dict(CPU_MODE="1", DATA=str(data), SAVE_DIR=str(save_dir), DS_CONFIG=str(ds_config),
+                 MODEL_CONFIG="tiny", MAX_STEPS=str(max_steps), SAVE_EVERY=str(save_every),
+                 EXTRA_ARGS="--num_workers 0 --log_every 1")
+    knobs.update(more)
+    return knobs
+
+
+def metrics_steps(save_dir: Path) -> list[int]:
+    f = save_dir / "metrics.jsonl"
+    if not f.exists():
+        return []
+    steps = []
+    for line in f.read_text().splitlines():
+        try:
+            steps.append(int(json.loads(line)["step"]))
+        except (ValueError, KeyError):
+            pass  # a line being written
+    return steps
+
+
+def wait_for(predicate, *, timeout_s: float, what: str, log: Optional[Path] = None, poll_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    tail = log.read_text(errors="replace")[-4000:] if log is not None and log.exists() else ""
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{tail}")
+
+
+RANK_LINE = re.compile(r"\[pipeline\] rank (\d+) of world_size (\d+) \(local_rank (\d+), host \S+\)")
+TASK_LINE = re.compile(r"\[slurm\] node (\S+) task (\d+): RANK=(\d+) LOCAL_RANK=(\d+) WORLD_SIZE=(\d+) "
+                       r"LOCAL_WORLD_SIZE=(\d+) MASTER_ADDR=(\S+) MASTER_PORT=(\d+)")
+PREEMPTED = re.compile(r"\[pipeline\] pre-emption signal (SIGUSR1|SIGTERM): saved checkpoint at step (\d+), exiting 0")
+RESUMED = re.compile(r"\[pipeline\] resumed from (\S+) at step (\d+)")
+DONE = re.compile(r"\[pipeline\] done: step (\d+)")
+
+
+def test_taco_job_runs_two_ranks_on_two_nodes_and_checkpoints(slurm, shards, ds_config, tmp_path):
+    save = tmp_path / "run"
+    env = job_env(slurm, **taco_knobs(data=shards, save_dir=save, ds_config=ds_config, max_steps=6, save_every=3))
+    rc, job, log = sbatch(slurm, TACO, *SMALL_ALLOCATION, env=env, log=tmp_path / "taco.out")
+    assert rc == 0, log
+
+    # Slurm -> torch.distributed: one rank per node, the master on the first node, a port from the job id.
+    tasks = {int(m[1]): m for m in TASK_LINE.findall(log)}
+    assert sorted(tasks) == [0, 1], log
+    for rank, (node, _, env_rank, local_rank, world, local_world, addr, port) in tasks.items():
+        assert (node, env_rank, local_rank, world, local_world) == (f"n{rank + 1}", str(rank), "0", "2", "1")
+        assert addr == "127.0.0.1"  # n1's NodeAddr: the node names do not resolve here
+        assert int(port) == 20000 + job % 20000
+    # ... and the trainer formed one 2-rank group from them.
+    ranks = sorted((int(r), int(w), int(lr)) for r, w, lr in RANK_LINE.findall(log))
+    assert ranks == [(0, 2, 0), (1, 2, 0)], log
+    assert DONE.findall(log) == ["6"], log
+    config = json.loads((save / "config.json").read_text())
+    assert config["engine"]["world_size"] == 2 and config["engine"]["global_batch"] == 8
+
+    ckpts = save / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_00000006"
+    assert (ckpts / "step_00000003").is_dir() and (ckpts / "step_00000006").is_dir()
+    # ZeRO-2 shards the optimizer state: one file per rank, so both ranks saved.
+    assert len(list((ckpts / "step_00000006").glob("*optim_states.pt"))) == 2
+    assert metrics_steps(save) == [1, 2, 3, 4, 5, 6]
+    assert "training finished: checkpoint at step 6 of 6" in log
+
+
+def test_preemption_saves_requeues_and_resumes(slurm, shards, ds_config, tmp_path):
+    """Two pre-emptions of one job: USR1 to the ranks (how --signal=USR1@180 arrives), then USR1 to
+    the batch shell only (scancel --batch). Each time the ranks save and exit 0, the script
+    requeues the job, and the next run resumes from that checkpoint; the third run finishes."""
+    save, log_path, max_steps = tmp_path / "run", tmp_path / "preempt.out", 120
+    env = job_env(slurm, **taco_knobs(data=shards, save_dir=save, ds_config=ds_config, max_steps=max_steps))
+    cmd = ["sbatch", "--wait", "--parsable", f"--output={log_path}", *SMALL_ALLOCATION, str(TACO)]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        job = int(proc.stdout.readline().strip())
+
+        def log() -> str:
+            return log_path.read_text(errors="replace") if log_path.exists() else ""
+
+        wait_for(lambda: max(metrics_steps(save), default=0) >= 3, timeout_s=180, what="step 3", log=log_path)
+        subprocess.run(["scancel", "--signal=USR1", str(job)], env=slurm.env, check=True)
+        first = int(wait_for(lambda: PREEMPTED.findall(log()), timeout_s=60, what="the 1st save", log=log_path)[0][1])
+        wait_for(lambda: RESUMED.findall(log()) and max(metrics_steps(save)) >= first + 3, timeout_s=180,
+                 what="the requeued run to train on", log=log_path)
+        subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], env=slurm.env, check=True)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            subprocess.run(["scancel", str(job)], env=slurm.env)
+            proc.kill()
+    text = log()
+    assert proc.returncode == 0, text[-6000:] + err
+
+    saves = [(sig, int(step)) for sig, step in PREEMPTED.findall(text)]
+    assert [sig for sig, _ in saves] == ["SIGUSR1", "SIGUSR1"], text[-6000:]
+    second = saves[1][1]
+    assert first < second < max_steps
+    resumes = [(Path(p).name, int(step)) for p, step in RESUMED.findall(text)]
+    assert resumes == [(f"step_{first:08d}", first), (f"step_{second:08d}", second)], text[-6000:]
+    assert "(restart 1)" in text and "(restart 2)" in text
+    assert "after SIGUSR1: pre-empted" in text  # the batch shell saw the second signal and forwarded it
+    assert DONE.findall(text) == [str(max_steps)]
+    assert (save / "checkpoints" / "latest").read_text().strip() == f"step_{max_steps:08d}"
+    # Every step was trained: the runs pick up exactly where the previous one saved.
+    steps = metrics_steps(save)
+    assert sorted(set(steps)) == list(range(1, max_steps + 1))
