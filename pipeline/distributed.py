@@ -210,11 +210,13 @@ def uneven_gather_bytes(sizes: Sequence[int], *, row_bytes: int) -> int:
 
 
 def sum_over_ranks(x: torch.Tensor, *, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-    """The element-wise sum of `x` over the ranks of `group`, detached (for counts and metrics)."""
-    x = x.detach().clone()
-    if is_distributed(group):
-        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
-    return x
+    """The element-wise sum of `x` over the ranks of `group`, detached (for counts and metrics), on
+    x's device (it travels on the backend's device: nccl reduces only CUDA tensors, gloo CPU ones)."""
+    if not is_distributed(group):
+        return x.detach().clone()
+    buffer = x.detach().to(_collective_device(group), copy=True)
+    dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+    return buffer.to(x.device)
 
 
 def mean_over_ranks(x: torch.Tensor, *, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
