@@ -270,6 +270,12 @@ def save(run: Run) -> Path:
         config.save_pretrained(folder)
         tok.save_pretrained(folder)
 
+    if run.teacher is not None:
+        from pipeline.model import fingerprint
+
+        # The frozen teacher must be exactly the initial encoder at every checkpoint.
+        if fingerprint(run.teacher) != run.teacher_print:
+            raise RuntimeError("internal error: the TaCL teacher's weights changed during training")
     client = {"step": run.step, "loader": run.loader.state_dict(), "skipped_micro_batches": run.skipped,
               "rng": distributed.all_gather_object(rng_states()), "world_size": distributed.world_size(),
               "teacher_fingerprint": run.teacher_print, "config": run.resolved}
