@@ -39,7 +39,8 @@ FORWARDED_ENV_PREFIXES = ("AWS_", "S3_", "GOOGLE_", "GCS_", "AZURE_", "OCI_", "D
 
 def build_shards(cfg: BuildConfig) -> dict:
     """Build OUTPUT from cfg; return the manifest (also written to OUTPUT/build_manifest.json).
-    Raises UsageError (a ValueError) for bad inputs or flags, before any work starts."""
+    Raises UsageError (a ValueError) for bad inputs, flags or tokenizer, before any chunk is
+    processed."""
     cfg.validate()
     t0 = time.time()
     files = resolve_inputs(cfg.inputs)
@@ -50,7 +51,16 @@ def build_shards(cfg: BuildConfig) -> dict:
         raise UsageError(f"--input {' '.join(cfg.inputs)}: every matched file is empty")
     out = Path(cfg.output)
     previous = _prepare_output(out, cfg)
+    with _ray_session(cfg) as ray:
+        workers = cfg.num_workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+        _warm_up(ray, workers, cfg)
+        manifest = _build(ray, cfg, out=out, files=files, chunks=chunks, chunk_bytes=chunk_bytes,
+                          previous=previous, workers=workers, t0=t0)
+    return manifest
 
+
+def _build(ray, cfg: BuildConfig, *, out: Path, files: list[InputFile], chunks: list[Chunk], chunk_bytes: int,
+           previous: dict | None, workers: int, t0: float) -> dict:
     texts = None
     if cfg.train_tokenizer:
         texts = training_texts(chunks, text_field=cfg.text_field,
@@ -77,23 +87,22 @@ def build_shards(cfg: BuildConfig) -> dict:
                     vocab_size=tok.vocab_size)
     tokenizer_json = (out / "tokenizer" / "tokenizer.json").read_text(encoding="utf-8")
 
-    with _ray_session(cfg) as ray:
-        new_stats = _run_chunks(ray, todo, spec=spec, tokenizer_json=tokenizer_json, cfg=cfg)
-        part_stats = sorted([json.loads((out / c.name / PART_STATS).read_text()) for c in done]
-                            + new_stats, key=lambda s: s["index"])
-        _concat_rejects(out, [c.name for c in chunks])
-        wall = time.time() - t0
-        counts = aggregate(part_stats, fmt=cfg.format)
-        workers = {(s["host"], s["pid"]) for s in new_stats}
-        manifest.update({
-            "status": "complete", "counts": counts, "columns": columns_for(fmt=cfg.format, vocab_size=tok.vocab_size),
-            "mds": {"compression": COMPRESSION, "hashes": HASHES, "size_limit": SIZE_LIMIT},
-            "chunks": len(chunks), "chunks_resumed": len(done), "workers": len(workers),
-            "peak_rss_mb_per_worker": max([s["peak_rss_mb"] for s in new_stats], default=0.0),
-            "wall_s": round(wall, 3), "mb_per_s": round(counts["input_bytes"] / 1e6 / max(wall, 1e-9), 3),
-        })
-        _write_json(out / MANIFEST, manifest)
-        _finish_index(ray, out, cfg, [c.name for c in chunks])
+    new_stats = _run_chunks(ray, todo, spec=spec, tokenizer_json=tokenizer_json, cfg=cfg, workers=workers)
+    part_stats = sorted([json.loads((out / c.name / PART_STATS).read_text()) for c in done]
+                        + new_stats, key=lambda s: s["index"])
+    _concat_rejects(out, [c.name for c in chunks])
+    wall = time.time() - t0
+    counts = aggregate(part_stats, fmt=cfg.format)
+    used = {(s["host"], s["pid"]) for s in new_stats}
+    manifest.update({
+        "status": "complete", "counts": counts, "columns": columns_for(fmt=cfg.format, vocab_size=tok.vocab_size),
+        "mds": {"compression": COMPRESSION, "hashes": HASHES, "size_limit": SIZE_LIMIT},
+        "chunks": len(chunks), "chunks_resumed": len(done), "workers": len(used),
+        "peak_rss_mb_per_worker": max([s["peak_rss_mb"] for s in new_stats], default=0.0),
+        "wall_s": round(wall, 3), "mb_per_s": round(counts["input_bytes"] / 1e6 / max(wall, 1e-9), 3),
+    })
+    _write_json(out / MANIFEST, manifest)
+    _finish_index(ray, out, cfg, [c.name for c in chunks])
     return manifest
 
 
@@ -195,7 +204,24 @@ def _task_options(cfg: BuildConfig) -> dict:
     return {"runtime_env": {"env_vars": env}} if cfg.remote and env else {}
 
 
-def _run_chunks(ray, todo: list[Chunk], *, spec: TaskSpec, tokenizer_json: str, cfg: BuildConfig) -> list[dict]:
+def warm_worker() -> int:
+    """Import what chunk tasks need (streaming alone takes seconds: torch, transformers...)."""
+    from preprocessing.mds import make_fast_writer_class
+
+    make_fast_writer_class()
+    import rjieba  # noqa: F401  (loads its dictionary)
+    return os.getpid()
+
+
+def _warm_up(ray, workers: int, cfg: BuildConfig) -> None:
+    """Start the workers' imports now, while the driver prepares the tokenizer; not awaited."""
+    task = ray.remote(num_cpus=1)(warm_worker).options(**_task_options(cfg))
+    for _ in range(workers):
+        task.remote()
+
+
+def _run_chunks(ray, todo: list[Chunk], *, spec: TaskSpec, tokenizer_json: str, cfg: BuildConfig,
+                workers: int) -> list[dict]:
     """Run process_chunk on every chunk, at most --num_workers at a time; stats in any order."""
     from tqdm import tqdm
 
@@ -203,7 +229,6 @@ def _run_chunks(ray, todo: list[Chunk], *, spec: TaskSpec, tokenizer_json: str, 
         return []
     task = ray.remote(num_cpus=1)(process_chunk).options(**_task_options(cfg))
     tok_ref = ray.put(tokenizer_json)
-    workers = cfg.num_workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
     queue = iter(todo)
     pending: dict = {}
     results: list[dict] = []

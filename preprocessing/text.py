@@ -23,9 +23,20 @@ _CJK_RE = re.compile(f"[{_CJK_CLASS}]")
 
 # Control (Cc) and format (Cf) characters: NUL, escape codes, BOM, zero-width and bidi marks.
 # Tab, newline and carriage return are whitespace and handled by the whitespace collapse.
-_CONTROL_RE = re.compile("[" + "".join(
-    re.escape(chr(c)) for c in range(sys.maxunicode + 1)
-    if unicodedata.category(chr(c)) in ("Cc", "Cf") and chr(c) not in "\t\n\r") + "]")
+
+
+def _control_class() -> str:
+    codes = [c for c in range(sys.maxunicode + 1)
+             if unicodedata.category(chr(c)) in ("Cc", "Cf") and chr(c) not in "\t\n\r"]
+    ranges, lo = [], codes[0]
+    for prev, cur in zip(codes, codes[1:] + [-1]):
+        if cur != prev + 1:
+            ranges.append(re.escape(chr(lo)) + ("" if lo == prev else "-" + re.escape(chr(prev))))
+            lo = cur
+    return "[" + "".join(ranges) + "]"
+
+
+_CONTROL_RE = re.compile(_control_class())
 
 MAX_SENTENCE_CHARS = 2000
 """Longer 'sentences' (tables, lists, text with no punctuation) are cut at whitespace so one
@@ -43,11 +54,14 @@ def is_cjk_codepoints(codepoints: np.ndarray) -> np.ndarray:
 def clean_text(text: str) -> str:
     """Remove control/format characters, apply NFKC (which folds full-width ASCII and the
     ideographic space to half-width) and collapse every whitespace run to one space."""
-    if _CONTROL_RE.search(text):
+    # The common case (printable, already clean) costs three C-level scans and no copies.
+    if not text.isprintable():
         text = _CONTROL_RE.sub("", text)
     if not text.isascii():
         text = unicodedata.normalize("NFKC", text)
-    return " ".join(text.split())
+    if "  " in text or text[:1] == " " or text[-1:] == " " or not text.isprintable():
+        text = " ".join(text.split())
+    return text
 
 
 def detect_language(text: str, *, sample_chars: int = 2000, threshold: float = 0.3) -> str:
@@ -63,8 +77,8 @@ def detect_language(text: str, *, sample_chars: int = 2000, threshold: float = 0
 
 # English: a run of terminators, optional closing quotes/brackets, whitespace, and then something
 # that can start a sentence. Decimals ("3.14") never match because no whitespace follows the dot.
-_EN_BOUNDARY = re.compile(r"""(?:[.!?]+|…)["'”’)\]]*\s+(?=["'“‘(\[]?[A-Z0-9])""")
-_EN_WORD_BEFORE = re.compile(r"""[(\["'“‘]*([A-Za-z][\w.\-]*)\.$""")
+_EN_BOUNDARY = re.compile(r"""([.!?]+|…)["'”’)\]]*\s+(?=["'“‘(\[]?[A-Z0-9])""")
+_INITIALISM = re.compile(r"(?:[A-Za-z]\.)+[A-Za-z]")
 EN_ABBREVIATIONS = frozenset("""
     mr mrs ms dr prof sr jr st mt ft rev hon gen col lt capt sgt maj cmdr adm gov sen rep pres
     vs etc e.g i.e cf viz al approx ca no nos fig figs eq eqs vol vols pp ed eds op dept univ
@@ -77,24 +91,20 @@ EN_ABBREVIATIONS = frozenset("""
 _ZH_BOUNDARY = re.compile(r"""(?:[。!?;]|…{2}|\.{6})+[”’"'」』)\]】》〉]*""")
 
 
-def _is_abbreviation(head: str) -> bool:
-    """True when the text before a '.' ends with an abbreviation or an initial ('J.', 'U.S.')."""
-    m = _EN_WORD_BEFORE.search(head[-24:])
-    if m is None:
-        return False
-    word = m.group(1)
-    if len(word) == 1 and word.isalpha():
-        return True  # an initial: "J. K. Rowling"
-    return word.lower() in EN_ABBREVIATIONS or re.fullmatch(r"(?:[A-Za-z]\.)+[A-Za-z]", word) is not None
+def _is_abbreviation(text: str, dot: int) -> bool:
+    """True when the word ending at text[dot] == '.' is an abbreviation or an initial ('J.',
+    'U.S.'), so the dot does not end the sentence."""
+    word = text[text.rfind(" ", 0, dot) + 1:dot].lstrip("([\"'“‘")
+    if len(word) <= 1:
+        return word.isalpha()  # an initial: "J. K. Rowling"
+    return word.lower() in EN_ABBREVIATIONS or ("." in word and _INITIALISM.fullmatch(word) is not None)
 
 
 def _split_en(text: str) -> list[str]:
     out, start = [], 0
     for m in _EN_BOUNDARY.finditer(text):
-        terminator = text[m.start():m.end()].rstrip()
-        if terminator.rstrip("\"'”’)]").endswith(".") and not terminator.startswith(("..", "…")):
-            if _is_abbreviation(text[start:m.start() + 1]):
-                continue
+        if m.group(1) == "." and _is_abbreviation(text, m.start(1)):
+            continue
         out.append(text[start:m.end()].strip())
         start = m.end()
     out.append(text[start:].strip())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from preprocessing.errors import UsageError
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -115,9 +116,23 @@ def save_trained(tok, out_dir: Path, *, kind: str, lowercase: bool) -> None:
     hf.save_pretrained(str(out_dir))
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.txt", "vocab.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model")
+
+
 def copy_tokenizer(name_or_path: str, out_dir: Path) -> None:
-    """Load --tokenizer (a local folder, or a hub name where the machine is online), check it is
-    a fast tokenizer with [CLS]/[SEP]-style specials, and save a copy into out_dir."""
+    """Copy --tokenizer into out_dir. A local folder with tokenizer.json and a tokenizer_class is
+    copied file by file (no transformers import: seconds saved on every build); anything else
+    (a hub name, a folder with only vocab.txt) goes through AutoTokenizer and save_pretrained."""
+    src = Path(name_or_path)
+    config = src / "tokenizer_config.json"
+    if (src / "tokenizer.json").is_file() and config.is_file() \
+            and json.loads(config.read_text()).get("tokenizer_class"):
+        out_dir.mkdir(parents=True)
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, out_dir / name)
+        return
     from transformers import AutoTokenizer
 
     try:
@@ -126,11 +141,6 @@ def copy_tokenizer(name_or_path: str, out_dir: Path) -> None:
         raise UsageError(f"--tokenizer {name_or_path}: cannot load a tokenizer from it ({err})") from err
     if not hf.is_fast:
         raise UsageError(f"--tokenizer {name_or_path}: needs a fast tokenizer (a tokenizer.json)")
-    missing = [name for name in ("cls_token", "sep_token", "mask_token", "pad_token")
-               if getattr(hf, name) is None]
-    if missing:
-        raise UsageError(f"--tokenizer {name_or_path}: has no {', '.join(missing)}; "
-                         "BERT pre-training needs [CLS], [SEP], [MASK] and [PAD]")
     hf.save_pretrained(str(out_dir))
 
 
@@ -148,11 +158,13 @@ def describe(tok_dir: Path, *, source: str, kind: str | None = None) -> Tokenize
         value = sm.get(name) or config.get(name) or default
         return value["content"] if isinstance(value, dict) else value
 
-    cls_id = tok.token_to_id(special("cls_token", "[CLS]"))
-    sep_id = tok.token_to_id(special("sep_token", "[SEP]"))
-    unk_id = tok.token_to_id(special("unk_token", "[UNK]"))
-    if cls_id is None or sep_id is None:
-        raise UsageError(f"tokenizer in {tok_dir} has no [CLS]/[SEP] token in its vocabulary")
+    ids = {name: tok.token_to_id(special(f"{name}_token", f"[{name.upper()}]"))
+           for name in ("cls", "sep", "mask", "pad", "unk")}
+    missing = [f"{name} token" for name in ("cls", "sep", "mask", "pad") if ids[name] is None]
+    if missing:
+        raise UsageError(f"--tokenizer {source}: has no {', '.join(missing)}; BERT pre-training needs "
+                         "[CLS], [SEP], [MASK] and [PAD] in the vocabulary")
+    cls_id, sep_id, unk_id = ids["cls"], ids["sep"], ids["unk"]
     model_type = json.loads(data)["model"]["type"].lower()
     return TokenizerInfo(path=str(tok_dir), source=source,
                          sha256=hashlib.sha256(data).hexdigest(),
@@ -168,13 +180,18 @@ def prepare_tokenizer(*, tokenizer: str | None, train: str | None, vocab_size: i
         return describe(out_dir, source=tokenizer or f"trained:{train}", kind=train)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    if train:
-        tok = train_tokenizer(train, texts or [], vocab_size=vocab_size, lowercase=lowercase)
-        save_trained(tok, tmp, kind=train, lowercase=lowercase)
-    else:
-        copy_tokenizer(tokenizer, tmp)
+    try:
+        if train:
+            tok = train_tokenizer(train, texts or [], vocab_size=vocab_size, lowercase=lowercase)
+            save_trained(tok, tmp, kind=train, lowercase=lowercase)
+        else:
+            copy_tokenizer(tokenizer, tmp)
+        info = describe(tmp, source=tokenizer or f"trained:{train}", kind=train)  # validates it
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     tmp.rename(out_dir)
-    return describe(out_dir, source=tokenizer or f"trained:{train}", kind=train)
+    return dataclasses.replace(info, path=str(out_dir))
 
 
 def training_texts(chunks: list[Chunk], *, text_field: str, budget_bytes: int) -> Iterator[str]:

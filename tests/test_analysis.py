@@ -274,3 +274,47 @@ def test_analyze_cli_rejects_bad_input(tmp_path):
     (tmp_path / "t.txt").write_text("hello\n")
     r = run_analyze("--model", str(tmp_path / "missing"), "--data", str(tmp_path / "t.txt"), "--out", str(tmp_path))
     assert r.returncode == 2 and "missing" in r.stderr
+
+
+@pytest.mark.multiproc
+def test_analyze_run_checkpoints_of_a_real_training_run(tmp_path):
+    """--run reads every checkpoint of a real pipeline/train.py run (tiny model, 4 steps, saves at 2, 4)."""
+    from streaming import MDSWriter
+
+    words = WORDS + [f"w{i}" for i in range(40)]
+    tok = write_tokenizer(tmp_path / "tok", words)
+    rng = np.random.default_rng(0)
+    text_ids = tok.convert_tokens_to_ids(words)
+    columns = {"input_ids": "ndarray:uint16", "token_type_ids": "ndarray:uint8", "word_starts": "ndarray:uint8",
+               "lang": "str"}
+    with MDSWriter(out=str(tmp_path / "shards"), columns=columns) as w:
+        for _ in range(64):  # packed samples: [CLS] + 15 tokens, a document boundary [SEP] inside
+            ids = [tok.cls_token_id, *rng.choice(text_ids, 7), tok.sep_token_id, *rng.choice(text_ids, 7)]
+            w.write({"input_ids": np.array(ids, np.uint16), "token_type_ids": np.zeros(16, np.uint8),
+                     "word_starts": np.ones(16, np.uint8), "lang": "en"})
+    tok.save_pretrained(tmp_path / "shards" / "tokenizer")
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+                              "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {}}}))
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                        str(REPO / "pipeline" / "train.py"), "--ds_config", str(ds), "--objective", "taco",
+                        "--data", str(tmp_path / "shards"), "--model_config", "tiny", "--max_seq_len", "16",
+                        "--max_steps", "4", "--save_every", "2", "--keep_checkpoints", "5", "--save_dir", str(run),
+                        "--export_dir", str(tmp_path / "export"), "--num_workers", "0", "--lr", "1e-3"],
+                       capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    text = tmp_path / "t.txt"
+    text.write_text("the cat sat on a mat .\nw1 w2 w3 w4\n\nit was sunny and warm .\nwe like tea\n", encoding="utf-8")
+    out = tmp_path / "report"
+    r = run_analyze("--model", f"final={tmp_path / 'export'}", "--run", str(run), "--data", str(text),
+                    "--out", str(out), "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    m = json.loads((out / "metrics.json").read_text())
+    points = m["run"]["checkpoints"]
+    assert [p["step"] for p in points] == [2, 4]
+    # The last checkpoint is the exported model: the same numbers.
+    assert points[-1]["gap"] == pytest.approx(m["models"]["final"]["last_layer"]["gap"], abs=1e-6)
+    assert points[0]["gap"] != pytest.approx(points[1]["gap"], abs=1e-9)
+    assert_png(out / "training_gap.png")
+    assert "(training_gap.png)" in (out / "README.md").read_text()

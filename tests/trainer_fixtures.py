@@ -179,3 +179,44 @@ def read_trace(save_dir: Path) -> dict[int, list[list[int]]]:
 
 def explain(proc: subprocess.CompletedProcess) -> str:
     return f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def session_run(tmp_path_factory, name: str, make_args, *, timeout: float = 600) -> tuple[Path, str]:
+    """A 2-rank deepspeed run made once per pytest session (shared by the test modules that need it).
+    `make_args(save_dir) -> list[str]`. Returns (save_dir, its stdout+stderr); fails the test on a
+    non-zero exit."""
+    root = tmp_path_factory.getbasetemp() / "trainer_runs" / name
+    log = root / "launcher.log"
+    if not (root / ".done").exists():
+        if root.exists():
+            shutil.rmtree(root)
+        root.mkdir(parents=True)
+        proc = run_deepspeed(free_port(), make_args(root / "run"), timeout=timeout)
+        log.write_text(proc.stdout + "\n" + proc.stderr)
+        if proc.returncode != 0:
+            raise AssertionError(f"run {name} failed:\n{explain(proc)}")
+        (root / ".done").write_text("")
+    return root / "run", log.read_text()
+
+
+def tacl_args(shards: dict[str, Path], ds: Path, save_dir: Path, *, max_steps: int = 16, extra: Sequence[str] = ()) -> list[str]:
+    """The TaCL job the resume and export tests share (a NaN injected at step 5 exercises the skip)."""
+    return train_args(ds_config=ds, objective="tacl", data=[shards["nsp48"]], save_dir=save_dir, max_steps=max_steps,
+                      extra=["--lr", "3e-3", "--save_every", "8", "--trace_samples", "--whole_word_masking",
+                             "--debug_nan_steps", "5", "--debug_nan_rank", "1", *extra])
+
+
+def tacl_straight(tmp_path_factory) -> tuple[Path, str]:
+    """16 TaCL steps in one go, with an export at the end."""
+    shards = shard_sets(tmp_path_factory)
+    ds = write_ds_config(tmp_path_factory.getbasetemp() / "ds_micro4.json", micro=4)
+    return session_run(tmp_path_factory, "tacl_straight",
+                       lambda save: tacl_args(shards, ds, save, extra=["--export_dir", str(save.parent / "export")]))
