@@ -284,3 +284,55 @@ def test_remote_upload_to_s3(ray_here, corpus, tmp_path, monkeypatch, port):
             assert ds[i]["input_ids"].tolist() == here[i]["input_ids"].tolist()
     finally:
         server.stop()
+
+
+def test_every_input_format_gives_the_same_samples(ray_here, corpus, tmp_path):
+    """The same documents as BERT text, JSONL, .gz, .zst, Parquet and a datasets folder build the
+    same shards (one chunk each, so the packed stream is identical)."""
+    import gzip
+
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    docs = corpus.en[:25]
+    d = tmp_path / "formats"
+    d.mkdir()
+    write_bert_text(d / "docs.txt", docs)
+    write_jsonl(d / "docs.jsonl", docs, field="body")
+    (d / "docs.jsonl.gz").write_bytes(gzip.compress((d / "docs.jsonl").read_bytes()))
+    (d / "docs.txt.zst").write_bytes(zstandard.ZstdCompressor().compress((d / "docs.txt").read_bytes()))
+    texts = ["\n".join(lines) for lines in docs]
+    pq.write_table(pa.table({"body": texts}), d / "docs.parquet", row_group_size=7)
+    datasets.Dataset.from_dict({"body": texts}).save_to_disk(str(d / "hf"))
+    hashes = {}
+    for name in ("docs.txt", "docs.jsonl", "docs.jsonl.gz", "docs.txt.zst", "docs.parquet", "hf"):
+        m = build_shards(config(corpus, tmp_path / name.replace(".", "_"), inputs=[f"en:{d / name}"],
+                                chunk_mb=64, text_field="body"))
+        assert m["chunks"] == 1 and m["counts"]["documents_in"] == 25
+        hashes[name] = [h for _, h, _ in shard_hashes(tmp_path / name.replace(".", "_"))]
+    assert all(h == hashes["docs.txt"] for h in hashes.values()), hashes
+
+
+def test_language_detection_and_trained_tokenizer(ray_here, corpus, tmp_path):
+    """No language prefix: each document's language is detected; --train_tokenizer writes a
+    loadable OUTPUT/tokenizer that keeps ideographs whole."""
+    from transformers import AutoTokenizer
+
+    mixed = write_bert_text(tmp_path / "mixed.txt", [x for pair in zip(corpus.en[:20], corpus.zh[:20]) for x in pair])
+    out = tmp_path / "sp"
+    m = build_shards(config(corpus, out, inputs=[str(mixed)], tokenizer=None, train_tokenizer="sentencepiece",
+                            vocab_size=2000, format="nsp", max_seq_len=64, chunk_mb=64))
+    tok = AutoTokenizer.from_pretrained(out / "tokenizer")
+    # a tiny corpus cannot fill 2000 unigram pieces; the manifest reports what was trained
+    assert m["tokenizer"]["kind"] == "sentencepiece" and m["tokenizer"]["vocab_size"] == len(tok) <= 2000
+    assert tok.is_fast and tok.mask_token == "[MASK]"
+    assert m["counts"]["tokens_by_lang"]["en"] > 0 and m["counts"]["tokens_by_lang"]["zh"] > 0
+    for s in read_samples(out):
+        ids = s["input_ids"].tolist()
+        text = tok.decode(ids[1:ids.index(tok.sep_token_id)])  # segment A: its document's language
+        han = sum("\u4e00" <= ch <= "\u9fff" for ch in text)
+        assert s["lang"] == ("zh" if han > len(text.replace(" ", "")) / 3 else "en"), text
+        for piece in tok.convert_ids_to_tokens(s["input_ids"].tolist()):
+            assert not any("\u4e00" <= ch <= "\u9fff" for ch in piece) or len(piece) == 1, piece
