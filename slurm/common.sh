@@ -15,10 +15,17 @@ die() {
     exit 2
 }
 
-# Print a command as a shell would re-read it (quoted), prefixed with "+".
+# Print a command as a shell would re-read it, prefixed with "+": plain words as they are, others
+# in single quotes.
 print_cmd() {
-    local out="+" arg
-    for arg in "$@"; do out+=" $(printf '%q' "$arg")"; done
+    local out="+" arg q="'"
+    for arg in "$@"; do
+        if [[ "$arg" =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then
+            out+=" $arg"
+        else
+            out+=" '${arg//$q/$q\\$q$q}'"
+        fi
+    done
     printf '%s\n' "$out"
 }
 

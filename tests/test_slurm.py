@@ -225,3 +225,98 @@ def test_preemption_saves_requeues_and_resumes(slurm, shards, ds_config, tmp_pat
     # Every step was trained: the runs pick up exactly where the previous one saved.
     steps = metrics_steps(save)
     assert sorted(set(steps)) == list(range(1, max_steps + 1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reliability: a dead or hung rank fails the job in bounded time; a resubmission resumes
+# ---------------------------------------------------------------------------------------------------
+
+
+def rank_pid(job: int, rank: int) -> Optional[int]:
+    """The pid of the trainer process of `rank` in Slurm job `job` (its environment says so)."""
+    want = {f"SLURM_JOB_ID={job}".encode(), f"SLURM_PROCID={rank}".encode()}
+    found = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes()
+            if b"pipeline/train.py" not in cmd or not want <= set((p / "environ").read_bytes().split(b"\0")):
+                continue
+            ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            parent_cmd = Path(f"/proc/{ppid}/cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if b"pipeline/train.py" not in parent_cmd:  # the rank itself, not a forked helper
+            found.append(int(p.name))
+    return found[0] if len(found) == 1 else None
+
+
+def job_end_time(cluster: SlurmCluster, job: int) -> float:
+    r = subprocess.run(["scontrol", "show", "job", str(job)], env=cluster.env, capture_output=True, text=True)
+    m = re.search(r"EndTime=(\S+)", r.stdout)
+    return time.mktime(time.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S"))
+
+
+def start_job(cluster: SlurmCluster, env: dict[str, str], log: Path) -> tuple[subprocess.Popen, int]:
+    cmd = ["sbatch", "--wait", "--parsable", f"--output={log}", *SMALL_ALLOCATION, str(TACO)]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, int(proc.stdout.readline().strip())
+
+
+def test_killed_rank_fails_the_job_fast_and_the_resubmission_resumes(slurm, shards, ds_config, tmp_path):
+    save, max_steps = tmp_path / "run", 120
+    env = job_env(slurm, **taco_knobs(data=shards, save_dir=save, ds_config=ds_config, max_steps=max_steps,
+                                      save_every=5))
+    log1 = tmp_path / "killed.out"
+    proc, job = start_job(slurm, env, log1)
+    try:
+        latest = save / "checkpoints" / "latest"
+        wait_for(lambda: latest.exists() and latest.read_text().strip() >= "step_00000010", timeout_s=180,
+                 what="checkpoint step 10", log=log1)
+        pid = wait_for(lambda: rank_pid(job, 1), timeout_s=10, what="rank 1's pid")
+        killed_at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            subprocess.run(["scancel", str(job)], env=slurm.env)
+            proc.kill()
+    text = log1.read_text(errors="replace")
+    assert proc.returncode != 0, text[-4000:]
+    # srun --kill-on-bad-exit ends rank 0 at once: no waiting for a collective to time out.
+    assert job_end_time(slurm, job) - killed_at < 20, text[-4000:]
+    assert "the training step failed with exit code" in text
+    assert not DONE.findall(text)
+    last_good = int(latest.read_text().strip().removeprefix("step_"))
+    assert last_good >= 10 and last_good % 5 == 0
+
+    rc, _, text2 = sbatch(slurm, TACO, *SMALL_ALLOCATION, env=env, log=tmp_path / "resubmitted.out")
+    assert rc == 0, text2[-6000:]
+    assert [(Path(p).name, int(s)) for p, s in RESUMED.findall(text2)] == [(f"step_{last_good:08d}", last_good)]
+    assert DONE.findall(text2) == [str(max_steps)]
+
+
+def test_hung_rank_fails_the_job_after_the_collective_timeout(slurm, shards, ds_config, tmp_path):
+    """A rank that stops answering (SIGSTOP: alive, so srun sees no exit) is caught by the
+    trainer's --dist_timeout_s on the other rank; srun then ends the stopped one."""
+    save, timeout_s = tmp_path / "run", 20
+    env = job_env(slurm, **taco_knobs(data=shards, save_dir=save, ds_config=ds_config, max_steps=100000,
+                                      DIST_TIMEOUT_S=str(timeout_s)))
+    log = tmp_path / "hung.out"
+    proc, job = start_job(slurm, env, log)
+    try:
+        wait_for(lambda: max(metrics_steps(save), default=0) >= 3, timeout_s=180, what="step 3", log=log)
+        pid = wait_for(lambda: rank_pid(job, 1), timeout_s=10, what="rank 1's pid")
+        stopped_at = time.time()
+        os.kill(pid, signal.SIGSTOP)
+        proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            subprocess.run(["scancel", str(job)], env=slurm.env)
+            proc.kill()
+    text = log.read_text(errors="replace")
+    assert proc.returncode != 0, text[-4000:]
+    took = job_end_time(slurm, job) - stopped_at
+    assert timeout_s - 2 <= took < timeout_s + 40, (took, text[-4000:])
+    assert "the training step failed with exit code" in text
