@@ -68,7 +68,7 @@ def _env() -> dict:
     return env
 
 
-def prepare_corpus(lang: str, corpora: Path, work: Path, limit_bytes: int | None) -> Path:
+def prepare_corpus(lang: str, *, corpora: Path, work: Path, limit_bytes: int | None) -> Path:
     """One BERT-format file per language (the corpus files concatenated, optionally cut at a
     document boundary after limit_bytes)."""
     out = work / f"{lang}.txt"
@@ -119,7 +119,7 @@ def raw_tokenizer(path: Path, tok_dir: Path) -> dict:
     return out
 
 
-def builder(path: Path, tok_dir: Path, out: Path, *, workers: int, lang: str, fmt: str, max_seq_len: int) -> dict:
+def builder(path: Path, *, tok_dir: Path, out: Path, workers: int, lang: str, fmt: str, max_seq_len: int) -> dict:
     """(b)/(d): the command a user runs, timed from outside; plus what the manifest says."""
     cmd = [sys.executable, str(REPO / "preprocessing" / "build_shards.py"), "--input", f"{lang}:{path}",
            "--output", str(out), "--tokenizer", str(tok_dir), "--format", fmt, "--max_seq_len", str(max_seq_len),
@@ -146,7 +146,7 @@ def builder(path: Path, tok_dir: Path, out: Path, *, workers: int, lang: str, fm
             "tokens": m["counts"]["tokens"]}
 
 
-def datasets_baseline(path: Path, tok_dir: Path, work: Path, max_seq_len: int) -> dict:
+def datasets_baseline(path: Path, *, tok_dir: Path, work: Path, max_seq_len: int) -> dict:
     """(c): the script in BASELINE, run as a user would, timed from outside."""
     out, cache = work / "baseline_mds", work / "baseline_cache"
     cmd = [sys.executable, "-c", BASELINE, str(path), str(tok_dir), str(out), str(cache), str(max_seq_len)]
@@ -161,13 +161,13 @@ def datasets_baseline(path: Path, tok_dir: Path, work: Path, max_seq_len: int) -
             "phases_s": {k: round(v, 3) for k, v in inner.items() if k.endswith("_s")}, "samples": inner["samples"]}
 
 
-def train_tokenizer(corpora: list[Path], out: Path, sample_mb: float) -> Path:
+def train_tokenizer(corpora: list[Path], *, out: Path, sample_mb: float) -> Path:
     """A joint EN+ZH WordPiece vocabulary (30522) trained by the builder's own trainer."""
     from preprocessing.inputs import plan_chunks, resolve_inputs
     from preprocessing.tokenization import save_trained, train_tokenizer as train, training_texts
 
     chunks = plan_chunks(resolve_inputs([str(p) for p in corpora]), chunk_bytes=1 << 20, text_field="text")
-    tok = train("wordpiece", training_texts(chunks, text_field="text", budget_bytes=int(sample_mb * 1e6)),
+    tok = train("wordpiece", texts=training_texts(chunks, text_field="text", budget_bytes=int(sample_mb * 1e6)),
                 vocab_size=30522)
     save_trained(tok, out, kind="wordpiece", lowercase=True)
     return out
@@ -190,19 +190,19 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     limit = 2_000_000 if args.quick else None
     langs = args.langs.split(",")
-    files = {lang: prepare_corpus(lang, args.corpora, work, limit) for lang in langs}
-    tok_dir = args.tokenizer or train_tokenizer(list(files.values()), work / "tokenizer", 2 if args.quick else 16)
+    files = {lang: prepare_corpus(lang, corpora=args.corpora, work=work, limit_bytes=limit) for lang in langs}
+    tok_dir = args.tokenizer or train_tokenizer(list(files.values()), out=work / "tokenizer", sample_mb=2 if args.quick else 16)
     report = {"quick": args.quick, "cpus": os.cpu_count(), "load_avg_at_start": os.getloadavg(),
               "tokenizer": str(tok_dir), "format": args.format, "max_seq_len": args.max_seq_len, "langs": {}}
     for lang, path in files.items():
         r: dict = {"corpus_mb": round(path.stat().st_size / 1e6, 3)}
         r["a_raw_tokenizer"] = raw_tokenizer(path, tok_dir)
         kw = dict(lang=lang, fmt=args.format, max_seq_len=args.max_seq_len)
-        r["d_builder_1_worker"] = builder(path, tok_dir, work / f"{lang}_w1", workers=1, **kw)
-        r["b_builder"] = r["d_builder_2_workers"] = builder(path, tok_dir, work / f"{lang}_w2", workers=2, **kw)
+        r["d_builder_1_worker"] = builder(path, tok_dir=tok_dir, out=work / f"{lang}_w1", workers=1, **kw)
+        r["b_builder"] = r["d_builder_2_workers"] = builder(path, tok_dir=tok_dir, out=work / f"{lang}_w2", workers=2, **kw)
         small = prefix_file(path, 0.25)
-        r["rss_quarter_corpus"] = builder(small, tok_dir, work / f"{lang}_q", workers=2, **kw)["peak_rss_mb_per_worker"]
-        r["c_datasets_map_mdswriter"] = datasets_baseline(path, tok_dir, work / lang, args.max_seq_len)
+        r["rss_quarter_corpus"] = builder(small, tok_dir=tok_dir, out=work / f"{lang}_q", workers=2, **kw)["peak_rss_mb_per_worker"]
+        r["c_datasets_map_mdswriter"] = datasets_baseline(path, tok_dir=tok_dir, work=work / lang, max_seq_len=args.max_seq_len)
         raw = r["a_raw_tokenizer"]["encode_batch"]["mb_per_s"]
         b, d1 = r["b_builder"], r["d_builder_1_worker"]
         peak_full = max(b["peak_rss_mb_per_worker"].values())

@@ -53,7 +53,7 @@ def build_shards(cfg: BuildConfig) -> dict:
     previous = _prepare_output(out, cfg)
     with _ray_session(cfg) as ray:
         workers = cfg.num_workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
-        _warm_up(ray, workers, cfg)
+        _warm_up(ray, workers=workers, cfg=cfg)
         manifest = _build(ray, cfg, out=out, files=files, chunks=chunks, chunk_bytes=chunk_bytes,
                           previous=previous, workers=workers, t0=t0)
     return manifest
@@ -68,9 +68,9 @@ def _build(ray, cfg: BuildConfig, *, out: Path, files: list[InputFile], chunks: 
     tok = prepare_tokenizer(tokenizer=cfg.tokenizer, train=cfg.train_tokenizer,
                             vocab_size=cfg.vocab_size, lowercase=cfg.lowercase,
                             out_dir=out / "tokenizer", texts=texts)
-    fingerprint = _fingerprint(cfg, files, chunk_bytes, tok)
+    fingerprint = _fingerprint(cfg, files=files, chunk_bytes=chunk_bytes, tok=tok)
     if previous is not None:
-        _check_resumable(previous, fingerprint, out)
+        _check_resumable(previous, fingerprint=fingerprint, out=out)
     manifest = {"status": "running", "config": _resolved_config(cfg, chunk_bytes),
                 "fingerprint": fingerprint, "tokenizer": tok.manifest(), "versions": versions(),
                 "inputs": [asdict(f) for f in files]}
@@ -102,7 +102,7 @@ def _build(ray, cfg: BuildConfig, *, out: Path, files: list[InputFile], chunks: 
         "wall_s": round(wall, 3), "mb_per_s": round(counts["input_bytes"] / 1e6 / max(wall, 1e-9), 3),
     })
     _write_json(out / MANIFEST, manifest)
-    _finish_index(ray, out, cfg, [c.name for c in chunks])
+    _finish_index(ray, out=out, cfg=cfg, part_names=[c.name for c in chunks])
     return manifest
 
 
@@ -133,13 +133,13 @@ def _prepare_output(out: Path, cfg: BuildConfig) -> dict | None:
                      "--overwrite to replace it")
 
 
-def _fingerprint(cfg: BuildConfig, files: list[InputFile], chunk_bytes: int, tok: TokenizerInfo) -> dict:
+def _fingerprint(cfg: BuildConfig, *, files: list[InputFile], chunk_bytes: int, tok: TokenizerInfo) -> dict:
     """Everything the samples depend on (not --num_workers): what --resume compares."""
     return {"inputs": [[f.path, f.lang, f.size] for f in files], "chunk_bytes": chunk_bytes,
             "tokenizer": cfg.tokenizer, "tokenizer_sha256": tok.sha256, **{k: getattr(cfg, k) for k in OUTPUT_KEYS}}
 
 
-def _check_resumable(previous: dict, fingerprint: dict, out: Path) -> None:
+def _check_resumable(previous: dict, *, fingerprint: dict, out: Path) -> None:
     before = previous.get("fingerprint", {})
     differ = sorted(k for k in set(before) | set(fingerprint) if before.get(k) != fingerprint.get(k))
     if differ:
@@ -213,7 +213,7 @@ def warm_worker() -> int:
     return os.getpid()
 
 
-def _warm_up(ray, workers: int, cfg: BuildConfig) -> None:
+def _warm_up(ray, *, workers: int, cfg: BuildConfig) -> None:
     """Start the workers' imports now, while the driver prepares the tokenizer; not awaited."""
     task = ray.remote(num_cpus=1)(warm_worker).options(**_task_options(cfg))
     for _ in range(workers):
@@ -236,7 +236,7 @@ def _run_chunks(ray, todo: list[Chunk], *, spec: TaskSpec, tokenizer_json: str, 
     def submit() -> None:
         chunk = next(queue, None)
         if chunk is not None:
-            pending[task.remote(chunk, spec, tok_ref)] = chunk
+            pending[task.remote(chunk, spec=spec, tokenizer_json=tok_ref)] = chunk
 
     for _ in range(workers):
         submit()
@@ -257,7 +257,7 @@ def _run_chunks(ray, todo: list[Chunk], *, spec: TaskSpec, tokenizer_json: str, 
     return results
 
 
-def merge_part_indexes(output: str, remote: str | None, part_names: list[str],
+def merge_part_indexes(output: str, *, remote: str | None, part_names: list[str],
                        extra_files: list[str]) -> int:
     """OUTPUT/index.json over the parts (streaming's merge_index), uploaded with `extra_files`
     when there is a remote. Returns the number of shards indexed."""
@@ -279,7 +279,7 @@ def merge_part_indexes(output: str, remote: str | None, part_names: list[str],
     return len(json.loads((out / "index.json").read_text())["shards"])
 
 
-def _finish_index(ray, out: Path, cfg: BuildConfig, part_names: list[str]) -> None:
+def _finish_index(ray, *, out: Path, cfg: BuildConfig, part_names: list[str]) -> None:
     """Runs merge_part_indexes in a Ray worker on this node: the workers have already paid the
     seconds it takes to import streaming, the driver has not."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -287,7 +287,7 @@ def _finish_index(ray, out: Path, cfg: BuildConfig, part_names: list[str]) -> No
     extra = [MANIFEST, REJECTS] + sorted(str(p.relative_to(out)) for p in (out / "tokenizer").iterdir())
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     task = ray.remote(num_cpus=0)(merge_part_indexes).options(scheduling_strategy=here, **_task_options(cfg))
-    ray.get(task.remote(str(out), cfg.remote, part_names, extra))
+    ray.get(task.remote(str(out), remote=cfg.remote, part_names=part_names, extra_files=extra))
 
 
 # ---- command line -------------------------------------------------------------------------------

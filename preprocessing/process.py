@@ -77,13 +77,13 @@ def _encoder(sha: str, tokenizer_json: str) -> SentenceEncoder:
     return _ENCODERS[sha]
 
 
-def block_seed(seed: int, chunk_index: int, block_index: int) -> int:
+def block_seed(seed: int, *, chunk_index: int, block_index: int) -> int:
     """The NSP random stream of one block: a function of --seed and the block's identity only."""
     digest = hashlib.sha256(f"{seed}:{chunk_index}:{block_index}".encode()).digest()
     return int.from_bytes(digest[:8], "little")
 
 
-def process_chunk(chunk: Chunk, spec: TaskSpec, tokenizer_json: str) -> dict:
+def process_chunk(chunk: Chunk, *, spec: TaskSpec, tokenizer_json: str) -> dict:
     """Build OUTPUT/part-XXXXX for `chunk`; return its stats (also saved as part_stats.json)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one task = one core; Ray runs the others
     t0, c0 = time.time(), time.process_time()
@@ -101,8 +101,8 @@ def process_chunk(chunk: Chunk, spec: TaskSpec, tokenizer_json: str) -> dict:
         packer = Packer(max_seq_len=spec.max_seq_len, cls_id=spec.cls_id, sep_id=spec.sep_id,
                         dtype=dtype) if spec.fmt == "packed" else None
         zeros = np.zeros(spec.max_seq_len, dtype=np.uint8)
-        for block_index, block in enumerate(_blocks(reader, spec, state)):
-            docs = _tokenize(block, encoder, reader, state)
+        for block_index, block in enumerate(_blocks(reader, spec=spec, state=state)):
+            docs = _tokenize(block, encoder=encoder, reader=reader, state=state)
             if docs.num_docs == 0:
                 continue
             c = state.counts
@@ -114,7 +114,7 @@ def process_chunk(chunk: Chunk, spec: TaskSpec, tokenizer_json: str) -> dict:
                 c["samples"] += len(ids_NL)
                 c["tokens_in_samples"] += ids_NL.size
                 continue
-            rng = random.Random(block_seed(spec.seed, chunk.index, block_index))
+            rng = random.Random(block_seed(spec.seed, chunk_index=chunk.index, block_index=block_index))
             for inst in nsp_instances(docs, rng=rng, max_seq_len=spec.max_seq_len,
                                       short_seq_prob=spec.short_seq_prob,
                                       random_next_prob=spec.random_next_prob):
@@ -164,7 +164,7 @@ class _State:
         self.split_docs: set[int] = set()
 
 
-def _blocks(reader: ChunkReader, spec: TaskSpec, state: _State) -> Iterator[list[_Entry]]:
+def _blocks(reader: ChunkReader, *, spec: TaskSpec, state: _State) -> Iterator[list[_Entry]]:
     """Clean, detect language, split sentences; group documents into blocks of about
     spec.block_chars characters. A longer document is cut into parts at sentence boundaries."""
     forced = reader.chunk.file.lang
@@ -217,7 +217,7 @@ def _cut(sentences: list[str], limit: int) -> list[list[str]]:
     return parts
 
 
-def _tokenize(block: list[_Entry], encoder: SentenceEncoder, reader: ChunkReader,
+def _tokenize(block: list[_Entry], *, encoder: SentenceEncoder, reader: ChunkReader,
               state: _State) -> TokenizedDocs:
     """Tokenise a block; drop sentences without tokens and count documents without any."""
     sentences = [s for e in block for s in e.sentences]

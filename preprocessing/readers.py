@@ -117,8 +117,8 @@ class ChunkReader:
             if file.compression:
                 start, end = 0, float("inf")
             else:
-                start = _align(f, self.chunk.start, boundary)
-                end = _align(f, self.chunk.end, boundary) if self.chunk.end < file.size else file.size
+                start = _align(f, self.chunk.start, boundary=boundary)
+                end = _align(f, self.chunk.end, boundary=boundary) if self.chunk.end < file.size else file.size
                 f.seek(start)
             self._aligned_start = start
             pos, line_no, carry, at_line_start = start, 0, b"", True
@@ -255,7 +255,7 @@ def _table_rows(chunk: Chunk, text_field: str) -> Iterator[tuple[int, object]]:
             break
 
 
-def _align(f: BinaryIO, offset: int, boundary: re.Pattern, block: int = 1 << 20) -> int:
+def _align(f: BinaryIO, offset: int, *, boundary: re.Pattern, block: int = 1 << 20) -> int:
     """The first document start at or after `offset`: just past the next boundary match that ends
     at or after `offset` (0 stays 0; end of file if none). Scans in blocks, O(1) memory."""
     if offset <= 0:
@@ -293,7 +293,7 @@ def _safe_cut(piece: bytes) -> int:
     return cut or len(piece)
 
 
-def _count_newlines(path: str, end: int, block: int = 8 << 20) -> int:
+def _count_newlines(path: str, end: int, *, block: int = 8 << 20) -> int:
     """Number of lines before byte `end` (so the line starting at `end` is this + 1)."""
     n = 0
     with open(path, "rb") as f:

@@ -80,7 +80,7 @@ def new_tokenizer(kind: str, *, lowercase: bool = True):
     return tok
 
 
-def train_tokenizer(kind: str, texts: Iterable[str], *, vocab_size: int, lowercase: bool = True):
+def train_tokenizer(kind: str, *, texts: Iterable[str], vocab_size: int, lowercase: bool = True):
     """Train a joint vocabulary on `texts` (cleaned lines). Returns a `tokenizers.Tokenizer`
     whose first ids are SPECIAL_TOKENS, with BERT's [CLS] A [SEP] B [SEP] post-processor."""
     from tokenizers import processors, trainers
@@ -182,7 +182,7 @@ def prepare_tokenizer(*, tokenizer: str | None, train: str | None, vocab_size: i
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         if train:
-            tok = train_tokenizer(train, texts or [], vocab_size=vocab_size, lowercase=lowercase)
+            tok = train_tokenizer(train, texts=texts or [], vocab_size=vocab_size, lowercase=lowercase)
             save_trained(tok, tmp, kind=train, lowercase=lowercase)
         else:
             copy_tokenizer(tokenizer, tmp)
@@ -236,7 +236,7 @@ class SentenceEncoder:
         for piece, i in vocab.items():
             tokens[i] = piece
         special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
-        self.start_table = _start_table(spec, tokens, special)
+        self.start_table = _start_table(spec, tokens=tokens, special=special)
         model = spec["model"]
         unk = model.get("unk_id", model.get("unk_token"))
         self.unk_id = unk if isinstance(unk, int) or unk is None else vocab.get(unk)
@@ -258,7 +258,7 @@ def _is_cjk(ch: str) -> bool:
     return any(lo <= cp <= hi for lo, hi in CJK_RANGES)
 
 
-def _start_table(spec: dict, tokens: list[str], special: set[int]) -> np.ndarray | None:
+def _start_table(spec: dict, *, tokens: list[str], special: set[int]) -> np.ndarray | None:
     model = spec["model"]
     if model["type"] == "WordPiece":
         prefix = model.get("continuing_subword_prefix") or "##"

@@ -63,7 +63,7 @@ def train_tokenizer_dir(out: Path, docs: list[list[str]], *, kind: str = "wordpi
     from preprocessing.tokenization import save_trained, train_tokenizer
 
     texts = [clean_text(line) for lines in docs for line in lines]
-    tok = train_tokenizer(kind, texts, vocab_size=vocab_size)
+    tok = train_tokenizer(kind, texts=texts, vocab_size=vocab_size)
     save_trained(tok, out, kind=kind, lowercase=True)
     return out
 
