@@ -320,3 +320,100 @@ def test_hung_rank_fails_the_job_after_the_collective_timeout(slurm, shards, ds_
     took = job_end_time(slurm, job) - stopped_at
     assert timeout_s - 2 <= took < timeout_s + 40, (took, text[-4000:])
     assert "the training step failed with exit code" in text
+
+
+def test_taco_dry_run_in_a_two_node_allocation_prints_the_resolved_step(slurm, shards, ds_config, tmp_path):
+    save = tmp_path / "run"
+    env = job_env(slurm, DRY_RUN="1", **taco_knobs(data=shards, save_dir=save, ds_config=ds_config, max_steps=6))
+    rc, job, log = sbatch(slurm, TACO, *SMALL_ALLOCATION, env=env, log=tmp_path / "dry.out")
+    assert rc == 0, log
+    assert f"MASTER_ADDR=127.0.0.1 MASTER_PORT={20000 + job % 20000} WORLD_SIZE=2 LOCAL_WORLD_SIZE=1" in log
+    srun = [line for line in log.splitlines() if line.startswith("+ srun")]
+    assert len(srun) == 1 and "--kill-on-bad-exit=1 --nodes=2 --ntasks=2 --ntasks-per-node=1" in srun[0]
+    assert f"--data {shards} --model_config tiny --max_steps 6 --save_dir {save} --resume auto" in srun[0]
+    assert "node n1: RANK 0..0" in log and "node n2: RANK 1..1" in log
+    assert not save.exists() and "[pipeline]" not in log  # nothing ran
+
+    # Asking for another size than the allocation is a mistake the script names.
+    env["NODES"] = "3"
+    rc, _, log = sbatch(slurm, TACO, *SMALL_ALLOCATION, env=env, log=tmp_path / "mismatch.out")
+    assert rc == 2 and "NODES=3 but this allocation has 2 node(s)" in log, log
+
+
+# ---------------------------------------------------------------------------------------------------
+# slurm/build_shards_ray.sh
+# ---------------------------------------------------------------------------------------------------
+
+BUILD = REPO / "slurm" / "build_shards_ray.sh"
+
+
+def sample_hashes(root: Path) -> list[str]:
+    """sha256 of every sample (all columns), in index order."""
+    import hashlib
+
+    import numpy as np
+    from streaming import StreamingDataset
+
+    ds = StreamingDataset(local=str(root), batch_size=1, shuffle=False)
+    out = []
+    for i in range(len(ds)):
+        sample, h = ds[i], hashlib.sha256()
+        for key in sorted(sample):
+            value = sample[key]
+            h.update(key.encode())
+            h.update(value.encode() if isinstance(value, str) else np.asarray(value).tobytes())
+        out.append(h.hexdigest())
+    return out
+
+
+def build_knobs(out: Path, **more: str) -> dict[str, str]:
+    inputs = " ".join(BUILD_ARGS[i + 1] for i, a in enumerate(BUILD_ARGS) if a == "--input")
+    knobs = dict(INPUTS=inputs, OUTPUT=str(out), FORMAT="packed", MAX_SEQ_LEN="64", SEED="0",
+                 EXTRA_ARGS="--no_progress")
+    knobs.update(more)
+    return knobs
+
+
+def test_build_shards_ray_on_one_node_writes_the_same_shards_as_a_local_build(slurm, shards, tmp_path):
+    """Ray head only: two Ray nodes cannot share a host over loopback (see ENVIRONMENT.md). The
+    tokenizer is the local build's: HF's WordPiece trainer does not give the same vocabulary twice."""
+    out = tmp_path / "shards_slurm"
+    env = job_env(slurm, RAY_LOOPBACK="1", **build_knobs(out, TOKENIZER=str(shards / "tokenizer")))
+    rc, job, log = sbatch(slurm, BUILD, "--nodes=1", "--cpus-per-task=2", "--mem-per-cpu=1G", env=env,
+                          log=tmp_path / "build.out")
+    assert rc == 0, log[-6000:]
+    assert "[slurm] Ray is up: 1 node(s)" in log and "--ray_address auto" in log
+    assert "Local node finished draining; shutting down." in log  # stopped by SIGTERM to `ray start`
+    local, slurm_built = (json.loads((d / "build_manifest.json").read_text()) for d in (shards, out))
+    assert slurm_built["tokenizer"]["sha256"] == local["tokenizer"]["sha256"]
+    for key in ("documents_in", "documents_written", "sentences", "tokens", "samples", "tokens_dropped_tail"):
+        assert slurm_built["counts"].get(key) == local["counts"].get(key), key
+    hashes = sample_hashes(out)
+    assert len(hashes) == local["counts"]["samples"] > 0
+    assert hashes == sample_hashes(shards)
+
+
+def test_build_shards_ray_dry_run_in_a_two_node_allocation_starts_a_worker_per_node(slurm, tmp_path):
+    out = tmp_path / "never_written"
+    env = job_env(slurm, DRY_RUN="1", **build_knobs(out, TRAIN_TOKENIZER="wordpiece", VOCAB_SIZE="3000"))
+    rc, job, log = sbatch(slurm, BUILD, "--nodes=2", "--cpus-per-task=2", "--mem-per-cpu=1G", env=env,
+                          log=tmp_path / "dry.out")
+    assert rc == 0, log
+    port = 30000 + job % 2000
+    cmds = [line for line in log.splitlines() if line.startswith("+ ")]
+    heads = [c for c in cmds if "ray start --head" in c]
+    workers = [c for c in cmds if "ray start --address" in c]
+    assert len(heads) == 1 and "--nodelist=n1 " in heads[0] and f"--port={port}" in heads[0]
+    assert "--node-ip-address=127.0.0.1" in heads[0] and "--block" in heads[0]
+    assert len(workers) == 1 and "--nodelist=n2 " in workers[0]
+    assert f"--address=127.0.0.1:{port}" in workers[0] and "--block" in workers[0]
+    builder = [c for c in cmds if "build_shards.py" in c]
+    assert len(builder) == 1 and f"--ray_address 127.0.0.1:{port}" in builder[0]
+    assert f"--output {out}" in builder[0] and "--train_tokenizer wordpiece --vocab_size 3000" in builder[0]
+    assert not out.exists() and "Ray is up" not in log
+
+    # Loopback Ray cannot span two nodes: said before anything starts.
+    env["RAY_LOOPBACK"], env["DRY_RUN"] = "1", "0"
+    rc, _, log = sbatch(slurm, BUILD, "--nodes=2", "--cpus-per-task=2", "--mem-per-cpu=1G", env=env,
+                        log=tmp_path / "loopback.out")
+    assert rc == 2 and "RAY_LOOPBACK=1 keeps Ray on 127.0.0.1" in log, log
