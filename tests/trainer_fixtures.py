@@ -85,7 +85,7 @@ _BUILD_SCRIPT = textwrap.dedent("""
     import ray
     from preprocessing.builder import build_shards
     from preprocessing.config import BuildConfig
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     for spec in json.loads(sys.argv[1]):
         build_shards(BuildConfig(**spec))
     ray.shutdown()
@@ -210,7 +210,7 @@ def session_run(tmp_path_factory, name: str, make_args, *, timeout: float = 600)
 def tacl_args(shards: dict[str, Path], ds: Path, save_dir: Path, *, max_steps: int = 16, extra: Sequence[str] = ()) -> list[str]:
     """The TaCL job the resume and export tests share (a NaN injected at step 5 exercises the skip)."""
     return train_args(ds_config=ds, objective="tacl", data=[shards["nsp48"]], save_dir=save_dir, max_steps=max_steps,
-                      extra=["--lr", "3e-3", "--save_every", "8", "--trace_samples", "--whole_word_masking",
+                      extra=["--lr", "5e-3", "--save_every", "8", "--trace_samples", "--whole_word_masking",
                              "--debug_nan_steps", "5", "--debug_nan_rank", "1", *extra])
 
 
