@@ -94,40 +94,20 @@ def process_chunk(chunk: Chunk, *, spec: TaskSpec, tokenizer_json: str) -> dict:
     writer_cls = make_fast_writer_class()
     reader = ChunkReader(chunk, text_field=spec.text_field)
     state = _State()
-    dtype = id_dtype_for(spec.vocab_size)
     with writer_cls(out=(str(tmp), remote) if remote else str(tmp), keep_local=True,
                     columns=columns_for(fmt=spec.fmt, vocab_size=spec.vocab_size),
                     compression=COMPRESSION, hashes=HASHES, size_limit=SIZE_LIMIT) as writer:
         packer = Packer(max_seq_len=spec.max_seq_len, cls_id=spec.cls_id, sep_id=spec.sep_id,
-                        dtype=dtype) if spec.fmt == "packed" else None
-        zeros = np.zeros(spec.max_seq_len, dtype=np.uint8)
+                        dtype=id_dtype_for(spec.vocab_size)) if spec.fmt == "packed" else None
         for block_index, block in enumerate(_blocks(reader, spec=spec, state=state)):
             docs = _tokenize(block, encoder=encoder, reader=reader, state=state)
             if docs.num_docs == 0:
                 continue
-            c = state.counts
             if packer is not None:
-                ids_NL, ws_NL, langs = packer.add(docs)
-                for i in range(len(ids_NL)):
-                    writer.write({"input_ids": ids_NL[i], "token_type_ids": zeros,
-                                  "word_starts": ws_NL[i], "lang": langs[i]})
-                c["samples"] += len(ids_NL)
-                c["tokens_in_samples"] += ids_NL.size
-                continue
-            rng = random.Random(block_seed(spec.seed, chunk_index=chunk.index, block_index=block_index))
-            for inst in nsp_instances(docs, rng=rng, max_seq_len=spec.max_seq_len,
-                                      short_seq_prob=spec.short_seq_prob,
-                                      random_next_prob=spec.random_next_prob):
-                ids, types, ws = assemble_nsp(docs, inst, cls_id=spec.cls_id, sep_id=spec.sep_id,
-                                              dtype=dtype)
-                writer.write({"input_ids": ids, "token_type_ids": types, "word_starts": ws,
-                              "nsp_label": int(inst.is_random_next),
-                              "lang": docs.doc_langs[inst.a_doc]})
-                c["samples"] += 1
-                c["nsp_random_next"] += int(inst.is_random_next)
-                c["tokens_in_samples"] += len(ids)
-                c["tokens_truncated"] += (inst.a_full[1] - inst.a_full[0] - inst.a[1] + inst.a[0]
-                                          + inst.b_full[1] - inst.b_full[0] - inst.b[1] + inst.b[0])
+                _write_packed(writer, docs, packer=packer, counts=state.counts)
+            else:
+                rng = random.Random(block_seed(spec.seed, chunk_index=chunk.index, block_index=block_index))
+                _write_nsp(writer, docs, spec=spec, rng=rng, counts=state.counts)
         if packer is not None:
             tail_tokens, tail_docs = packer.tail()
             state.counts["tokens_dropped_tail"] += tail_tokens
@@ -152,6 +132,30 @@ def process_chunk(chunk: Chunk, *, spec: TaskSpec, tokenizer_json: str) -> dict:
         shutil.rmtree(final)
     tmp.rename(final)
     return stats
+
+
+def _write_packed(writer, docs: TokenizedDocs, *, packer: Packer, counts: Counter) -> None:
+    ids_NL, ws_NL, langs = packer.add(docs)
+    types_L = np.zeros(ids_NL.shape[1], dtype=np.uint8)
+    for i in range(len(ids_NL)):
+        writer.write({"input_ids": ids_NL[i], "token_type_ids": types_L, "word_starts": ws_NL[i],
+                      "lang": langs[i]})
+    counts["samples"] += len(ids_NL)
+    counts["tokens_in_samples"] += ids_NL.size
+
+
+def _write_nsp(writer, docs: TokenizedDocs, *, spec: TaskSpec, rng: random.Random, counts: Counter) -> None:
+    dtype = id_dtype_for(spec.vocab_size)
+    for inst in nsp_instances(docs, rng=rng, max_seq_len=spec.max_seq_len, short_seq_prob=spec.short_seq_prob,
+                              random_next_prob=spec.random_next_prob):
+        ids, types, ws = assemble_nsp(docs, inst, cls_id=spec.cls_id, sep_id=spec.sep_id, dtype=dtype)
+        writer.write({"input_ids": ids, "token_type_ids": types, "word_starts": ws,
+                      "nsp_label": int(inst.is_random_next), "lang": docs.doc_langs[inst.a_doc]})
+        counts["samples"] += 1
+        counts["nsp_random_next"] += int(inst.is_random_next)
+        counts["tokens_in_samples"] += len(ids)
+        kept = inst.a[1] - inst.a[0] + inst.b[1] - inst.b[0]
+        counts["tokens_truncated"] += inst.a_full[1] - inst.a_full[0] + inst.b_full[1] - inst.b_full[0] - kept
 
 
 class _State:
