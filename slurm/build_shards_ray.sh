@@ -37,7 +37,8 @@
 #   RAY_START_TIMEOUT_S  how long to wait for every node to join [300]
 #   RAY_LOOPBACK     1: keep Ray on 127.0.0.1 (one-node test clusters; Ray cannot hold two nodes on
 #                    one host over loopback) [0]
-#   LOCAL_DISK       node-local scratch root; Ray's temp folder is LOCAL_DISK/tkray-JOBID [$SLURM_TMPDIR or /tmp]
+#   LOCAL_DISK       node-local scratch root; Ray's temp folder (and its logs, left for inspection)
+#                    is LOCAL_DISK/tkray-JOBID on each node [$SLURM_TMPDIR or /tmp]
 #   DRY_RUN          1: print every command, start nothing [0]
 #
 # Each job makes its own Ray token (RAY_AUTH_TOKEN, passed to every node by srun's environment)

@@ -284,8 +284,12 @@ PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=U
 
 
 if __name__ == "__main__":
+    import sys
+
+    # Ctrl-C or `kill PID` stops the daemons (SystemExit runs the finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     c = SlurmCluster().start()
-    print(f"export SLURM_CONF={c.conf}   # Ctrl-C stops the cluster", flush=True)
+    print(f"export SLURM_CONF={c.conf}   # Ctrl-C or kill {os.getpid()} stops the cluster", flush=True)
     try:
         signal.pause()
     except KeyboardInterrupt:

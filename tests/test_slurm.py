@@ -61,7 +61,10 @@ def job_env(cluster: SlurmCluster, **knobs: str) -> dict[str, str]:
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env.update(PYTHON=sys.executable, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    # Node-local scratch (streaming cache, Ray's temp folder) inside the cluster's own short-named
+    # folder: removed with it, never shared with another session's job of the same id.
+    env.update(PYTHON=sys.executable, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+               LOCAL_DISK=str(cluster.root))
     env.update(knobs)
     return env
 
@@ -182,6 +185,7 @@ def test_taco_job_runs_two_ranks_on_two_nodes_and_checkpoints(slurm, shards, ds_
     assert len(list((ckpts / "step_00000006").glob("*optim_states.pt"))) == 2
     assert metrics_steps(save) == [1, 2, 3, 4, 5, 6]
     assert "training finished: checkpoint at step 6 of 6" in log
+    assert not (slurm.root / f"tokencl-{job}").exists()  # the job's node-local scratch is cleaned up
 
 
 def test_preemption_saves_requeues_and_resumes(slurm, shards, ds_config, tmp_path):
@@ -291,8 +295,15 @@ def test_killed_rank_fails_the_job_fast_and_the_resubmission_resumes(slurm, shar
     last_good = int(latest.read_text().strip().removeprefix("step_"))
     assert last_good >= 10 and last_good % 5 == 0
 
-    rc, _, text2 = sbatch(slurm, TACO, *SMALL_ALLOCATION, env=env, log=tmp_path / "resubmitted.out")
-    assert rc == 0, text2[-6000:]
+    # Resubmitted the way the script sizes itself from the environment (NODES, GPUS_PER_NODE):
+    # `bash slurm/taco_64gpu.sh [sbatch options]` calls sbatch with them.
+    log2 = tmp_path / "resubmitted.out"
+    env2 = {**env, "NODES": "2", "GPUS_PER_NODE": "1"}
+    r = subprocess.run(["bash", str(TACO), "--wait", f"--output={log2}", "--cpus-per-task=1", "--mem-per-cpu=1G"],
+                       env=env2, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    text2 = log2.read_text(errors="replace") if log2.exists() else ""
+    assert r.returncode == 0, text2[-6000:] + r.stdout + r.stderr
+    assert "--nodes=2 --ntasks-per-node=1 --gpus-per-node=0" in r.stdout  # the sbatch line it ran
     assert [(Path(p).name, int(s)) for p, s in RESUMED.findall(text2)] == [(f"step_{last_good:08d}", last_good)]
     assert DONE.findall(text2) == [str(max_steps)]
 
