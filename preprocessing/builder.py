@@ -63,8 +63,9 @@ def _build(ray, cfg: BuildConfig, *, out: Path, files: list[InputFile], chunks: 
            previous: dict | None, workers: int, t0: float) -> dict:
     texts = None
     if cfg.train_tokenizer:
-        texts = training_texts(chunks, text_field=cfg.text_field,
-                               budget_bytes=int(cfg.tokenizer_train_mb * MB))
+        def texts():  # the trainer reads the sample twice
+            return training_texts(chunks, text_field=cfg.text_field,
+                                  budget_bytes=int(cfg.tokenizer_train_mb * MB))
     tok = prepare_tokenizer(tokenizer=cfg.tokenizer, train=cfg.train_tokenizer,
                             vocab_size=cfg.vocab_size, lowercase=cfg.lowercase,
                             out_dir=out / "tokenizer", texts=texts)

@@ -2,11 +2,10 @@
 its validation (ValueError naming the flag and value; the CLI turns that into exit code 2)."""
 from __future__ import annotations
 
-from preprocessing.errors import UsageError
-
 import argparse
 from dataclasses import asdict, dataclass, fields
 
+from preprocessing.errors import UsageError
 from preprocessing.tokenization import TRAINABLE
 
 FORMATS = ("nsp", "packed")

@@ -7,13 +7,13 @@ files are cut into byte ranges that the reader later aligns to document boundari
 """
 from __future__ import annotations
 
-from preprocessing.errors import UsageError
-
 import glob
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from preprocessing.errors import UsageError
 
 LANGS = ("en", "zh")
 TEXT_SUFFIXES = {".txt", ".text", ".tok", ".raw"}

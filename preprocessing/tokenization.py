@@ -8,19 +8,19 @@ tokenizers' UnigramTrainer, `▁` marks a word start).
 """
 from __future__ import annotations
 
-from preprocessing.errors import UsageError
-
 import dataclasses
 import hashlib
 import json
 import shutil
+import unicodedata
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from preprocessing.errors import UsageError
 from preprocessing.inputs import Chunk
 from preprocessing.text import _CJK_CLASS, CJK_RANGES, clean_text
 
@@ -80,25 +80,89 @@ def new_tokenizer(kind: str, *, lowercase: bool = True):
     return tok
 
 
-def train_tokenizer(kind: str, *, texts: Iterable[str], vocab_size: int, lowercase: bool = True):
-    """Train a joint vocabulary on `texts` (cleaned lines). Returns a `tokenizers.Tokenizer`
-    whose first ids are SPECIAL_TOKENS, with BERT's [CLS] A [SEP] B [SEP] post-processor."""
-    from tokenizers import processors, trainers
+def train_tokenizer(kind: str, *, texts: Sequence[str] | Callable[[], Iterable[str]], vocab_size: int,
+                    lowercase: bool = True):
+    """Train a joint vocabulary on `texts` (cleaned lines; a callable is called once per pass).
+    Returns a `tokenizers.Tokenizer` whose first ids are SPECIAL_TOKENS, with BERT's
+    [CLS] A [SEP] B [SEP] post-processor. The same texts give the same tokenizer, run after run."""
+    from tokenizers import Tokenizer, processors, trainers
 
+    passes = texts if callable(texts) else (lambda: texts)
     tok = new_tokenizer(kind, lowercase=lowercase)
     if kind == "wordpiece":
-        trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+        # HF's trainer numbers the '##x' pieces in hash-map order, and merge ties are broken by
+        # those numbers, so two runs can give different vocabularies (huggingface/tokenizers
+        # #1794). Declaring every '##x' up front, in sorted order, fixes their numbers.
+        seeds = _continuation_seeds(passes(), tok.normalizer)
+        trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + seeds,
                                             continuing_subword_prefix="##", show_progress=False)
     else:
         trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                           unk_token="[UNK]", max_piece_length=16,
                                           show_progress=False)
-    tok.train_from_iterator(texts, trainer)
+    tok.train_from_iterator(passes(), trainer)
+    spec = json.loads(tok.to_str())
+    # The seeds are ordinary pieces, not special tokens (which decoding would skip).
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] in SPECIAL_TOKENS]
+    if kind == "sentencepiece":
+        # The same pieces every run, but their scores differ in the last bits (hash-map order of
+        # float sums) and their order with them: round the scores, then sort, for stable ids.
+        pieces = spec["model"]["vocab"]
+        head, rest = pieces[:len(SPECIAL_TOKENS)], pieces[len(SPECIAL_TOKENS):]
+        assert [p for p, _ in head] == SPECIAL_TOKENS
+        rest = [[piece, round(score, 6)] for piece, score in rest]
+        # Characters the trainer must keep are added near the end as a run of single characters
+        # 1e-4 apart in score, in hash-set order: give the sorted characters the same ladder.
+        ladder = _longest_ladder(rest)
+        chars = sorted(rest[i][0] for i in ladder)
+        for i, char in zip(ladder, chars):
+            rest[i] = [char, rest[i][1]]
+        spec["model"]["vocab"] = head + sorted(rest, key=lambda p: (-p[1], p[0]))
+    tok = Tokenizer.from_str(json.dumps(spec))
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
     return tok
+
+
+def _longest_ladder(pieces: list) -> list[int]:
+    """Indices of the longest chain of single-character pieces whose scores step down by 1e-4
+    (other pieces may sit between them), or [] when there is no such chain."""
+    prev: dict[int, int] = {}
+    length: dict[int, int] = {}
+    end_at: dict[float, int] = {}  # rounded score -> last single-character piece with it
+    for i, (piece, score) in enumerate(pieces):
+        if len(piece) != 1:
+            continue
+        j = end_at.get(round(score + 1e-4, 6))
+        length[i] = length[j] + 1 if j is not None else 1
+        if j is not None:
+            prev[i] = j
+        end_at[round(score, 6)] = i
+    if not length or max(length.values()) < 3:
+        return []
+    i = max(length, key=lambda k: (length[k], -k))
+    chain = [i]
+    while chain[-1] in prev:
+        chain.append(prev[chain[-1]])
+    return chain[::-1]
+
+
+def _continuation_seeds(texts: Iterable[str], normalizer) -> list[str]:
+    """'##c' for every character c of the normalised texts that can continue a word (not space,
+    punctuation or an ideograph, which BERT's pre-tokenizer isolates), sorted."""
+    raw: set[str] = set()
+    for line in texts:
+        raw.update(line)
+    chars = {ch for c in raw for ch in normalizer.normalize_str(c)}
+    keep = sorted(c for c in chars if not c.isspace() and not _is_cjk(c) and not _is_punctuation(c))
+    return [f"##{c}" for c in keep]
+
+
+def _is_punctuation(ch: str) -> bool:
+    """BERT's rule: ASCII punctuation (incl. symbols like $ and ^) or a Unicode P* character."""
+    return (ch.isascii() and not ch.isalnum() and not ch.isspace()) or unicodedata.category(ch).startswith("P")
 
 
 def save_trained(tok, out_dir: Path, *, kind: str, lowercase: bool) -> None:
@@ -173,7 +237,8 @@ def describe(tok_dir: Path, *, source: str, kind: str | None = None) -> Tokenize
 
 
 def prepare_tokenizer(*, tokenizer: str | None, train: str | None, vocab_size: int,
-                      lowercase: bool, out_dir: Path, texts: Iterable[str] | None) -> TokenizerInfo:
+                      lowercase: bool, out_dir: Path,
+                      texts: Callable[[], Iterable[str]] | None) -> TokenizerInfo:
     """Fill out_dir (OUTPUT/tokenizer) and describe it. An existing out_dir is reused as is (a
     resumed build keeps the tokenizer its finished parts were made with)."""
     if (out_dir / "tokenizer.json").exists():

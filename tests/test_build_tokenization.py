@@ -94,3 +94,14 @@ def test_copy_tokenizer_checks_what_it_loads(tmp_path):
     enc = SentenceEncoder((tmp_path / "copy" / "tokenizer.json").read_text())
     ids, _, _ = enc.encode(["Hello there [SEP] world"])
     assert enc.tok.token_to_id("[SEP]") not in ids.tolist()  # text is never a special token
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "sentencepiece"])
+def test_training_is_reproducible(kind):
+    """HF's trainers number pieces in hash-map order (huggingface/tokenizers#1794); ours does not,
+    so two builds with --train_tokenizer make the same samples."""
+    from preprocessing.tokenization import train_tokenizer
+
+    texts = [clean_text(line) for lines in english_docs(40, seed=2) + chinese_docs() for line in lines]
+    runs = {train_tokenizer(kind, texts=texts, vocab_size=2000).to_str() for _ in range(3)}
+    assert len(runs) == 1
