@@ -39,6 +39,7 @@ class ModelArgs:
     model_config: Optional[str] = None  # tiny | base | large | path/to/config.json
     init_from: Optional[str] = None  # HF folder (BertModel or BertForPreTraining weights)
     tokenizer: Optional[str] = None  # default: DATA/tokenizer of the first --data
+    mlm_head: str = "masked"  # masked (project only masked rows) | full (every row, as HF and upstream do)
 
 
 @dataclass
@@ -147,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model_config", help="tiny | base | large | path to a BertConfig JSON")
     src.add_argument("--init_from", help="pre-trained Hugging Face BERT folder (TaCL's setting)")
     p.add_argument("--tokenizer", help="HF tokenizer folder (default: DATA/tokenizer)")
+    p.add_argument("--mlm_head", choices=("masked", "full"), default="masked",
+                   help="masked: the vocabulary projection runs on masked rows only (default); full: on every "
+                        "row as HF's BertForMaskedLM does (an ablation; same loss, more FLOPs)")
     p.add_argument("--max_steps", type=int, required=True, help="optimizer steps")
     p.add_argument("--save_dir", required=True)
     p.add_argument("--resume", choices=("none", "auto"), default="none")
@@ -201,7 +205,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainConfig:
     errors raise ValueError naming the flag."""
     a = build_parser().parse_args(argv)
     cfg = TrainConfig(
-        model=ModelArgs(model_config=a.model_config, init_from=a.init_from, tokenizer=a.tokenizer),
+        model=ModelArgs(model_config=a.model_config, init_from=a.init_from, tokenizer=a.tokenizer,
+                        mlm_head=a.mlm_head),
         data=DataArgs(data=list(a.data), data_weights=a.data_weights, cache_dir=a.cache_dir,
                       num_workers=a.num_workers, mask_prob=a.mask_prob,
                       whole_word_masking=a.whole_word_masking, max_seq_len=a.max_seq_len,

@@ -105,9 +105,11 @@ class Student(nn.Module):
     ~85% of the head's FLOPs), as NVIDIA's and MLPerf's BERT do; the weights stay HF's.
     """
 
-    def __init__(self, net: BertForPreTraining) -> None:
+    def __init__(self, net: BertForPreTraining, *, full_head: bool = False) -> None:
         super().__init__()
         self.net = net
+        # The ablation: project every row, then keep the masked ones (the same loss and gradients).
+        self.full_head = full_head
 
     @property
     def config(self) -> BertConfig:
@@ -129,7 +131,11 @@ class Student(nn.Module):
         out = self.net.bert(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask,
                             output_hidden_states=with_embeddings, return_dict=True)
         hidden_BLD = out.last_hidden_state
-        result = {"hidden": hidden_BLD, "mlm_logits": self.net.cls.predictions(hidden_BLD[masked])}
+        if self.full_head:
+            logits_NV = self.net.cls.predictions(hidden_BLD)[masked]
+        else:
+            logits_NV = self.net.cls.predictions(hidden_BLD[masked])
+        result = {"hidden": hidden_BLD, "mlm_logits": logits_NV}
         if with_embeddings:
             result["embeddings"] = out.hidden_states[0]
         if with_nsp:

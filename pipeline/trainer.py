@@ -89,7 +89,7 @@ def build_student(prep: Prepared):
     else:
         net = BertForPreTraining(prep.bert_config)
         lines = [f"model {prep.cfg.model.model_config}: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M parameters"]
-    return Student(net), lines
+    return Student(net, full_head=prep.cfg.model.mlm_head == "full"), lines
 
 
 def param_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
@@ -349,9 +349,10 @@ def train_step(run: Run, batches: Batches, flag: PreemptionFlag, meter: Meter) -
         applied += 1
         lengths = batch["attention_mask"].sum(1)
         tokens = int(lengths.sum())
+        # The vocabulary projection's rows: the masked ones, or every real one for the full head.
+        head_rows = tokens if cfg.model.mlm_head == "full" else int(batch["masked"].sum())
         meter.add(res.values, tokens=tokens, samples=len(lengths),
-                  flops=run.flops.batch_flops(tokens=tokens, sum_len_sq=int((lengths ** 2).sum()),
-                                              masked=int(batch["masked"].sum())))
+                  flops=run.flops.batch_flops(tokens=tokens, sum_len_sq=int((lengths ** 2).sum()), masked=head_rows))
     run.step += 1
     meter.steps += 1
     return StepResult(lr=lr, stop_signal=stop, sample_ids=ids)

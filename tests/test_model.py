@@ -167,3 +167,13 @@ def test_flops_model_matches_reference_for_bert_base():
     # "~1.26x when the teacher skips the vocabulary head" against the full-head MLM; against our
     # masked-only MLM the teacher's forward adds a third of the encoder's cost.
     assert 1.25 < ratio < 1.36, ratio
+
+
+def test_full_head_ablation_gives_the_same_logits():
+    torch.manual_seed(0)
+    net = BertForPreTraining(tiny()).eval()
+    ids, tt, am, masked = batch()
+    with torch.no_grad():
+        a = Student(net)(ids, tt, am, masked)["mlm_logits"]
+        b = Student(net, full_head=True)(ids, tt, am, masked)["mlm_logits"]
+    torch.testing.assert_close(a, b)
