@@ -153,8 +153,10 @@ run_in_allocation() {
     if (( STEP_RC != 0 )); then
         # A dead or hung rank ends here: srun --kill-on-bad-exit stops the others, and a rank
         # stuck in a collective fails after --dist_timeout_s. Not requeued: a crash would repeat.
-        say "the training step failed with exit code $STEP_RC; resubmit the same script to resume from" \
-            "checkpoint step $(latest_checkpoint_step "$SAVE_DIR")"
+        local at
+        at=$(latest_checkpoint_step "$SAVE_DIR")
+        say "the training step failed with exit code $STEP_RC; submit the same script again to resume" \
+            "$( (( at >= 0 )) && echo "from checkpoint step $at" || echo "(no checkpoint yet: it starts over)")"
         exit "$STEP_RC"
     fi
     finish_or_requeue "$SAVE_DIR" "$MAX_STEPS" "$MAX_REQUEUES"

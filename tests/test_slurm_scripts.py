@@ -3,9 +3,11 @@ runs outside an allocation, and the bash helpers against straightforward Python 
 (host lists, the per-task rank mapping against pipeline.distributed.env_from_slurm)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -193,10 +195,8 @@ def test_task_env_maps_slurm_like_the_trainer_does(tmp_path):
           "print(json.dumps({k: os.environ[k] for k in ('RANK','LOCAL_RANK','WORLD_SIZE','LOCAL_WORLD_SIZE','MASTER_ADDR')}))")
     env = {k: v for k, v in outside_slurm_env(**slurm_vars).items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    r = subprocess.run([os.sys.executable, "-c", py], capture_output=True, text=True, env=env, cwd=REPO)
+    r = subprocess.run([sys.executable, "-c", py], capture_output=True, text=True, env=env, cwd=REPO)
     assert r.returncode == 0, r.stderr
-    import json
-
     expected = json.loads(r.stdout)
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         assert got[k] == expected[k], k
