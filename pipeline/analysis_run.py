@@ -27,6 +27,7 @@ class AnalyzeConfig:
     data: Path                              # MDS folder (index.json) or .txt/.jsonl file
     out: Path
     run: Optional[Path] = None              # a trainer save_dir: the gap over its checkpoints
+    run_start: Optional[Path] = None        # the HF folder the run started from, plotted as step 0
     tokenizer: Optional[Path] = None        # for model folders without one
     max_sequences: int = 512
     max_seq_len: int = 128                  # text input only; shards keep their length
@@ -189,16 +190,29 @@ def training_curve(run_dir: Path, data: AnalysisData, cfg: AnalyzeConfig, device
     checkpoints = list_checkpoints(run_dir)
     if not checkpoints:
         raise ValueError(f"--run {run_dir}: no complete checkpoints found")
+    start = cfg.run_start or _init_from(run_dir)
     points = []
-    for step, ckpt in checkpoints:
-        model, tokenizer = load_student(ckpt)
+    for step, ckpt in ([(0, start)] if start is not None else []) + checkpoints:
+        if step == 0 and ckpt == start:
+            encoder, tokenizer = load_encoder(start, tokenizer_dir=cfg.tokenizer)
+        else:
+            model, tokenizer = load_student(ckpt)
+            encoder = model.bert.eval()
         seqs, _ = data.sequences(tokenizer, label=f"{run_dir}@{step}")
-        result = analyse_encoder(model.bert.eval(), seqs, pad_id=tokenizer.pad_token_id, batch_size=cfg.batch_size,
+        result = analyse_encoder(encoder, seqs, pad_id=tokenizer.pad_token_id, batch_size=cfg.batch_size,
                                  device=device, isotropy_tokens=cfg.isotropy_tokens,
                                  isotropy_pairs=cfg.isotropy_pairs, seed=cfg.seed)
         points.append({"step": step, "checkpoint": str(ckpt), **_summary(result)})
-        del model
     return points
+
+
+def _init_from(run_dir: Path) -> Optional[Path]:
+    """The pre-trained folder a run was initialised from (RUN/config.json), when it still exists."""
+    try:
+        init = json.loads((run_dir / "config.json").read_text()).get("model", {}).get("init_from")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    return Path(init) if isinstance(init, str) and (Path(init) / "config.json").is_file() else None
 
 
 def run_analysis(cfg: AnalyzeConfig) -> dict:

@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="MDS shard folder (with index.json and tokenizer/) or a .txt/.jsonl text file")
     p.add_argument("--out", required=True, type=Path, help="report folder")
     p.add_argument("--run", type=Path, help="a trainer save_dir: plot the intra/inter gap over its checkpoints")
+    p.add_argument("--run_start", type=Path, help="the HF folder the run started from (--init_from), plotted as "
+                   "step 0 (default: RUN/config.json's init_from when it still exists)")
     p.add_argument("--tokenizer", type=Path, help="tokenizer folder for model folders that have none")
     p.add_argument("--max_sequences", type=int, default=512)
     p.add_argument("--max_seq_len", type=int, default=128, help="text input: tokens per sequence")
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(a, flag) < 2:
             p.error(f"--{flag} must be >= 2 (got {getattr(a, flag)})")
     cfg = AnalyzeConfig(
-        models=unique_labels([parse_model(m) for m in a.model]), data=a.data, out=a.out, run=a.run,
+        models=unique_labels([parse_model(m) for m in a.model]), data=a.data, out=a.out, run=a.run, run_start=a.run_start,
         tokenizer=a.tokenizer, max_sequences=a.max_sequences, max_seq_len=a.max_seq_len, pack_text=a.pack_text,
         batch_size=a.batch_size, isotropy_tokens=a.isotropy_tokens, isotropy_pairs=a.isotropy_pairs,
         heatmap_text=a.heatmap_text, heatmap_max_tokens=a.heatmap_max_tokens, seed=a.seed, device=a.device)
@@ -77,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for label, m in metrics["models"].items():
         s = m["last_layer"]
+        if m["unk_share"] > 0.05:
+            print(f"[analyze] warning: {100 * m['unk_share']:.0f}% of {label}'s tokens are [UNK]: its vocabulary "
+                  "does not cover this text, so its similarities say little", file=sys.stderr)
         print(f"[analyze] {label}: last layer intra-sentence {s['intra_sentence']:.4f} intra-context "
               f"{s['intra_context']:.4f} inter-context {s['inter_context']:.4f} gap {s['gap']:.4f} "
               f"random-pair {s['random_pair_cosine']:.4f} top-PC {s['top_direction_variance_share']:.4f}")
