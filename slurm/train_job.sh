@@ -161,7 +161,7 @@ run_in_allocation() {
     fi
     finish_or_requeue "$SAVE_DIR" "$MAX_STEPS" "$MAX_REQUEUES"
     # Done: the node-local scratch of this job is no longer needed on any node.
-    srun --nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1 rm -rf "$JOB_SCRATCH" || true
+    srun --overlap --nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1 rm -rf "$JOB_SCRATCH" || true
 }
 
 train_main() {

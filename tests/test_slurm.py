@@ -231,28 +231,62 @@ def test_preemption_saves_requeues_and_resumes(slurm, shards, ds_config, tmp_pat
     assert sorted(set(steps)) == list(range(1, max_steps + 1))
 
 
+def test_a_late_copy_of_the_preemption_signal_does_not_fail_the_job(slurm, shards, ds_config, tmp_path):
+    """Slurm signals every node through its own slurmd, so the copies arrive at different times: a
+    rank may get its SIGUSR1 after the ranks agreed to stop (one copy is enough) and while it is
+    already exiting. Here n2's rank gets it first and n1's rank gets it late, repeatedly, until it
+    is gone. The step must still exit 0 and the job be requeued and resume."""
+    save, log_path, max_steps = tmp_path / "run", tmp_path / "late.out", 60
+    env = job_env(slurm, **taco_knobs(data=shards, save_dir=save, ds_config=ds_config, max_steps=max_steps))
+    proc, job = start_job(slurm, env, log_path)
+    try:
+        wait_for(lambda: max(metrics_steps(save), default=0) >= 3, timeout_s=180, what="step 3", log=log_path)
+        rank0, rank1 = (wait_for(lambda r=r: rank_pid(job, r), timeout_s=10, what=f"rank {r}") for r in (0, 1))
+        os.kill(rank1, signal.SIGUSR1)
+        wait_for(lambda: PREEMPTED.search(log_path.read_text(errors="replace")), timeout_s=60, what="the save",
+                 log=log_path)
+        while True:  # the late copy, until rank 0 has exited
+            try:
+                os.kill(rank0, signal.SIGUSR1)
+            except ProcessLookupError:
+                break
+            time.sleep(0.02)
+        proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            subprocess.run(["scancel", str(job)], env=slurm.env)
+            proc.kill()
+    text = log_path.read_text(errors="replace")
+    assert proc.returncode == 0, text[-6000:]
+    (at,) = [int(step) for _, step in PREEMPTED.findall(text)]
+    assert [int(step) for _, step in RESUMED.findall(text)] == [at] and DONE.findall(text) == [str(max_steps)]
+
+
 # ---------------------------------------------------------------------------------------------------
 # Reliability: a dead or hung rank fails the job in bounded time; a resubmission resumes
 # ---------------------------------------------------------------------------------------------------
 
 
 def rank_pid(job: int, rank: int) -> Optional[int]:
-    """The pid of the trainer process of `rank` in Slurm job `job` (its environment says so)."""
+    """The pid of the trainer process of `rank` in Slurm job `job`: a task that slurmstepd started
+    (task_env.sh execs the trainer), with that job id and rank in its environment. (srun, in the
+    batch step, has the same command line.)"""
     want = {f"SLURM_JOB_ID={job}".encode(), f"SLURM_PROCID={rank}".encode()}
     found = []
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
             continue
         try:
-            cmd = (p / "cmdline").read_bytes()
-            if b"pipeline/train.py" not in cmd or not want <= set((p / "environ").read_bytes().split(b"\0")):
+            argv = (p / "cmdline").read_bytes().split(b"\0")
+            if len(argv) < 2 or not argv[1].endswith(b"pipeline/train.py"):
+                continue
+            if not want <= set((p / "environ").read_bytes().split(b"\0")):
                 continue
             ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            parent_cmd = Path(f"/proc/{ppid}/cmdline").read_bytes()
+            if Path(f"/proc/{ppid}/cmdline").read_bytes().startswith(b"slurmstepd"):
+                found.append(int(p.name))
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile
-        if b"pipeline/train.py" not in parent_cmd:  # the rank itself, not a forked helper
-            found.append(int(p.name))
     return found[0] if len(found) == 1 else None
 
 
