@@ -104,6 +104,7 @@ build_ray_cmds() {  # HEAD_NODE HEAD_ADDR NODE CPUS PORT
     local head="$1" head_addr="$2" node="$3" cpus="$4" port="$5" ray
     ray=$(ray_bin)
     local srun_one=(srun --nodes=1 --ntasks=1 --cpus-per-task="$cpus" --kill-on-bad-exit=1)
+    # shellcheck disable=SC2016  # expanded by the task's shell, on its node
     local rec=(bash -c 'mkdir -p "$RAY_TMPDIR" && echo $$ >"$RAY_TMPDIR/ray-start.pid" && exec "$@"' ray-node)
     HEAD_CMD=("${srun_one[@]}" --job-name=ray-head --nodelist="$head" "${rec[@]}" "$ray" start --head --port="$port" --num-cpus="$cpus"
               --include-dashboard=false --disable-usage-stats --block)
@@ -151,6 +152,7 @@ dry_run() {  # NODELIST CPUS JOB_ID
     build_builder_cmd "$(truthy "$RAY_LOOPBACK" && echo auto || echo "$head_addr:$port")"
     print_cmd "${BUILD_CMD[@]}"
     say "and on exit, success or failure: SIGTERM to each node's \`ray start\` (workers, then the head), e.g."
+    # shellcheck disable=SC2016  # printed as it would run
     print_cmd srun --overlap --nodes=1 --ntasks=1 --nodelist="${nodes[-1]}" \
         bash -c 'kill -TERM "$(cat "$RAY_TMPDIR/ray-start.pid")"'
 }
@@ -163,6 +165,7 @@ RAY_NODES=()
 # (scancel, or SIGTERM to srun) would reach the GCS and raylet at the same moment and break the
 # drain. --overlap: the Ray step holds the node's CPUs.
 stop_node() {  # NODE
+    # shellcheck disable=SC2016  # expanded on the node
     srun --overlap --nodes=1 --ntasks=1 --nodelist="$1" \
         bash -c 'kill -TERM "$(cat "$RAY_TMPDIR/ray-start.pid")"' 2>/dev/null || true
 }
@@ -259,10 +262,10 @@ run_in_allocation() {
 }
 
 submit_self() {
-    local nodes="${NODES:-$DEFAULT_NODES}" cpus="${CPUS_PER_NODE:-$DEFAULT_CPUS_PER_NODE}"
-    require_int NODES "$nodes" 1
+    local num_nodes="${NODES:-$DEFAULT_NODES}" cpus="${CPUS_PER_NODE:-$DEFAULT_CPUS_PER_NODE}"
+    require_int NODES "$num_nodes" 1
     require_int CPUS_PER_NODE "$cpus" 1
-    local args=(--nodes="$nodes" --ntasks-per-node=1 --cpus-per-task="$cpus")
+    local args=(--nodes="$num_nodes" --ntasks-per-node=1 --cpus-per-task="$cpus")
     [[ -n "${PARTITION:-}" ]] && args+=(--partition="$PARTITION")
     [[ -n "${ACCOUNT:-}" ]] && args+=(--account="$ACCOUNT")
     [[ -n "${TIME_LIMIT:-}" ]] && args+=(--time="$TIME_LIMIT")

@@ -117,14 +117,17 @@ run_step_forwarding_signals() {
     SIGNALLED=""
     "$@" &
     local pid=$!
-    # srun forwards USR1 and TERM to every task of its step.
+    # srun forwards USR1 and TERM to every task of its step. The pid is fixed now (SC2064).
+    # shellcheck disable=SC2064
     trap "SIGNALLED=USR1; kill -s USR1 $pid 2>/dev/null || true" USR1
+    # shellcheck disable=SC2064
     trap "SIGNALLED=TERM; kill -s TERM $pid 2>/dev/null || true" TERM
     # wait returns >128 when a trapped signal interrupts it while the step still runs: wait again.
     # Once it is gone, wait returns its remembered exit status.
     while kill -0 "$pid" 2>/dev/null; do wait "$pid" || true; done
     set +e
     wait "$pid"
+    # shellcheck disable=SC2034  # read by the caller
     STEP_RC=$?
     set -e
     trap - USR1 TERM

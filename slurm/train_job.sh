@@ -175,7 +175,8 @@ train_main() {
     if [[ -n "${SLURM_JOB_ID:-}" ]]; then
         run_in_allocation
     elif truthy "$DRY_RUN"; then
-        local last=$(printf '%03d' "$NODES")
+        local last
+        last=$(printf '%03d' "$NODES")
         dry_run "node[001-$last]" "$GPUS_PER_NODE" "$DEFAULT_CPUS_PER_TASK" 12345
         say "(outside Slurm: example node names and job id; submit with: bash $SCRIPT, or sbatch $SCRIPT)"
     else

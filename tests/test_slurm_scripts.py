@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,13 @@ def bash(snippet: str, **env: str) -> str:
 def test_scripts_parse(script):
     r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (apt-get install shellcheck)")
+def test_scripts_pass_shellcheck():
+    r = subprocess.run(["shellcheck", "-x", "-s", "bash", *map(str, SCRIPTS)], capture_output=True, text=True,
+                       cwd=SLURM)
+    assert r.returncode == 0, r.stdout
 
 
 def sbatch_headers(script: Path) -> dict[str, str]:
