@@ -46,8 +46,9 @@ def test_scripts_parse(script):
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (apt-get install shellcheck)")
 def test_scripts_pass_shellcheck():
+    # From the repository root, where the scripts' `source "$REPO/slurm/..."` resolve.
     r = subprocess.run(["shellcheck", "-x", "-s", "bash", *map(str, SCRIPTS)], capture_output=True, text=True,
-                       cwd=SLURM)
+                       cwd=REPO)
     assert r.returncode == 0, r.stdout
 
 
