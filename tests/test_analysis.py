@@ -171,6 +171,15 @@ def test_text_reader_lines_and_packing(tmp_path):
     assert len(cut) == 2 and cstats.skipped == {"truncated_lines": 1, "lines_beyond_max_sequences": 2}
 
 
+def test_text_reader_chinese_one_token_per_character_and_unk_count(tmp_path):
+    tok = write_tokenizer(tmp_path / "tok", list("我们喜欢喝茶。今天很好"))
+    text = tmp_path / "zh.jsonl"
+    text.write_text(json.dumps({"text": "我们喜欢喝茶。\n今天天气很好。"}, ensure_ascii=False) + "\n", encoding="utf-8")
+    seqs, stats = read_text_sequences(text, tok, max_seq_len=32, max_sequences=10, pack=True)
+    assert len(seqs) == 1 and seqs[0].sentence_ids == [-1] + [0] * 7 + [-1] + [1] * 7 + [-1]
+    assert stats.unk_tokens == 1  # 气 is not in the vocabulary: kept as a position, counted
+
+
 # --------------------------------------------------------------------------- plots
 
 
