@@ -424,10 +424,11 @@ def build_knobs(out: Path, **more: str) -> dict[str, str]:
 
 
 def test_build_shards_ray_on_one_node_writes_the_same_shards_as_a_local_build(slurm, shards, tmp_path):
-    """Ray head only: two Ray nodes cannot share a host over loopback (see ENVIRONMENT.md). The
-    tokenizer is the local build's: HF's WordPiece trainer does not give the same vocabulary twice."""
+    """The same build command as the `shards` fixture's (tokenizer training included), run by the
+    launcher on a Ray cluster it started. Ray head only: two Ray nodes cannot share a host over
+    loopback (see ENVIRONMENT.md)."""
     out = tmp_path / "shards_slurm"
-    env = job_env(slurm, RAY_LOOPBACK="1", **build_knobs(out, TOKENIZER=str(shards / "tokenizer")))
+    env = job_env(slurm, RAY_LOOPBACK="1", **build_knobs(out, TRAIN_TOKENIZER="wordpiece", VOCAB_SIZE="3000"))
     rc, job, log = sbatch(slurm, BUILD, "--nodes=1", "--cpus-per-task=2", "--mem-per-cpu=1G", env=env,
                           log=tmp_path / "build.out")
     assert rc == 0, log[-6000:]
