@@ -412,11 +412,14 @@ def build_loader(
     num_canonical_nodes: Optional[int],
     run_id: str,
     pin_memory: bool,
+    timeout_s: float = 0,
 ):
     """The StreamingDataLoader over every source (call after the process group exists).
 
     Every rank passes the same seed and the per-rank micro-batch; streaming then gives each rank
-    the same number of samples per epoch, so the ranks stay in lockstep.
+    the same number of samples per epoch, so the ranks stay in lockstep. `timeout_s` (with workers)
+    bounds the wait for a batch: at an epoch's start streaming's workers meet at a node-wide barrier
+    without a timeout of its own, where a hung rank would otherwise hang the others for good.
     """
     from streaming import Stream, StreamingDataLoader
 
@@ -437,7 +440,7 @@ def build_loader(
     loader = StreamingDataLoader(
         dataset, batch_size=micro_batch, collate_fn=collator, num_workers=num_workers,
         worker_init_fn=_worker_init if num_workers else None, pin_memory=pin_memory,
-        persistent_workers=num_workers > 0, drop_last=False,
+        persistent_workers=num_workers > 0, drop_last=False, timeout=timeout_s if num_workers else 0,
     )
     # Workers ignore SIGTERM (see _worker_init), so multiprocessing's exit hook, which terminates and
     # then joins them, would wait forever: stop them first (atexit runs the later hook first).

@@ -305,3 +305,19 @@ def single_process_env() -> None:
     for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
                  ("MASTER_ADDR", "127.0.0.1")):
         env.setdefault(k, v)
+
+
+def bound_new_group_timeouts(*, timeout_s: float) -> None:
+    """Make process groups created later without an explicit timeout use `timeout_s` too.
+
+    DeepSpeed clones the world group for ZeRO's gradient reduction with `new_group(ranks)`, which
+    would get torch's 30-minute default instead of the timeout given to init_process_group: a hung
+    rank would then hold the others for half an hour. torch reads these module defaults whenever a
+    group is created, so set them before DeepSpeed builds its groups.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    bound = datetime.timedelta(seconds=timeout_s)
+    c10d.default_pg_timeout = bound
+    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), datetime.timedelta):
+        c10d.default_pg_nccl_timeout = bound

@@ -190,6 +190,7 @@ def setup(prep: Prepared) -> Run:
     cfg = prep.cfg
     distributed.normalize_launch_env()
     distributed.init_process_group(backend=distributed.default_backend(), timeout_s=cfg.run.dist_timeout_s)
+    distributed.bound_new_group_timeouts(timeout_s=cfg.run.dist_timeout_s)
     local = distributed.local_rank()
     emit(f"rank {distributed.rank()} of world_size {distributed.world_size()} (local_rank {local}, "
          f"host {distributed.hostname()})")
@@ -224,7 +225,7 @@ def setup(prep: Prepared) -> Run:
     loader = build_loader(prep.data, weights=cfg.data.data_weights, micro_batch=micro, collator=collator,
                           vocab_size=len(tok), seed=cfg.run.seed, num_workers=cfg.data.num_workers,
                           num_canonical_nodes=cfg.data.num_canonical_nodes, run_id=run_key(cfg.run.save_dir),
-                          pin_memory=device.type == "cuda")
+                          pin_memory=device.type == "cuda", timeout_s=cfg.run.dist_timeout_s)
     world = distributed.world_size()
     resolved = {**cfg.to_dict(), "deepspeed": prep.ds_config,
                 "engine": {"micro_batch_per_rank": micro, "gradient_accumulation_steps": accum, "world_size": world,

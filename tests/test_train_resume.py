@@ -165,3 +165,40 @@ def test_two_nodes_on_one_machine(shards, ds, tmp_path):
     assert all(not set(ids[0]) & set(ids[1]) for ids in trace.values())
     config = json.loads((save / "config.json").read_text())
     assert config["engine"]["world_size"] == 2 and config["engine"]["global_batch"] == 8
+
+
+def test_a_hung_rank_fails_the_others_within_dist_timeout(shards, ds, tmp_path):
+    """A rank that stops answering (SIGSTOP: no crash, no closed socket) must not hang the job:
+    the others' next collective fails after --dist_timeout_s."""
+    save, timeout_s = tmp_path / "hang", 10
+    args = train_args(ds_config=ds, objective="mlm", data=[shards["packed32"]], save_dir=save, max_steps=100000,
+                      extra=["--save_every", "100000", "--dist_timeout_s", str(timeout_s)])
+    out, err = open(tmp_path / "out.log", "w"), open(tmp_path / "err.log", "w")
+    # faulthandler: if rank 0 does hang, SIGABRT makes it print where.
+    launcher = subprocess.Popen(deepspeed_cmd(free_port(), args), cwd=REPO, env=launch_env(PYTHONFAULTHANDLER="1"),
+                                stdout=out, stderr=err)
+    stopped = None
+    try:
+        deadline = time.time() + 300
+        while not ((save / "metrics.jsonl").exists() and len((save / "metrics.jsonl").read_text().splitlines()) >= 2):
+            assert time.time() < deadline and launcher.poll() is None, (tmp_path / "err.log").read_text()[-3000:]
+            time.sleep(0.2)
+        launch = next(c for c in psutil.Process(launcher.pid).children() if "deepspeed.launcher.launch" in " ".join(c.cmdline()))
+        ranks = {int(re.search(r"--local_rank=(\d)", " ".join(p.cmdline())).group(1)): p for p in launch.children()}
+        stopped = ranks[1]
+        stopped.suspend()
+        t0 = time.time()
+        try:
+            ranks[0].wait(timeout=timeout_s + 60)
+        except psutil.TimeoutExpired:
+            ranks[0].send_signal(signal.SIGABRT)
+            time.sleep(3)
+            pytest.fail(f"rank 0 still running {time.time() - t0:.0f} s after rank 1 hung:\n"
+                        + (tmp_path / "err.log").read_text()[-3000:])
+    finally:
+        if stopped is not None:
+            stopped.kill()
+        launcher.wait(timeout=120)
+    assert launcher.returncode != 0
+    log = (tmp_path / "err.log").read_text()
+    assert re.search(r"[Tt]imed? ?out", log), log[-3000:]
