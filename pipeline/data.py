@@ -14,6 +14,7 @@ import atexit
 import hashlib
 import json
 import os
+import shutil
 import signal
 import tempfile
 import weakref
@@ -28,6 +29,8 @@ from pipeline import distributed
 from pipeline.masking import IGNORE_INDEX, MaskingSpec, mask_sequence, sample_rng
 
 FORMATS = ("nsp", "packed")
+# What a builder's DATA/tokenizer/ holds (an HF fast tokenizer folder); fetched for remote data.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 REQUIRED_COLUMNS = ("input_ids", "token_type_ids", "word_starts")
 
 
@@ -143,17 +146,25 @@ def _inspect_one(path: str, *, i: int, cache_root: str, verify_files: bool) -> S
         local = _source_cache(cache_root, i, remote)
         index_path = Path(local) / "index.json"
         manifest_path = Path(local) / "build_manifest.json"
-        # Per-rank temporary names: several ranks of a node may fetch the small files at once.
-        for name, dest, needed in (("index.json", index_path, True), ("build_manifest.json", manifest_path, False)):
+        # The index, the manifest and the builder's tokenizer folder (small files). Per-rank
+        # temporary names: several ranks of a node may fetch them at once.
+        wanted = [("index.json", True), ("build_manifest.json", False)] + \
+            [(f"tokenizer/{f}", False) for f in TOKENIZER_FILES]
+        for name, needed in wanted:
+            dest = Path(local) / name
             if dest.exists():
                 continue
+            dest.parent.mkdir(parents=True, exist_ok=True)
             tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
             try:
                 CloudDownloader.direct_download(remote.rstrip("/") + "/" + name, str(tmp))
                 os.replace(tmp, dest)
             except Exception as e:  # the cloud clients raise many types
+                tmp.unlink(missing_ok=True)
                 if needed:
                     raise ValueError(f"--data {path}: cannot fetch {name} ({type(e).__name__}: {e})")
+        if not any((Path(local) / "tokenizer" / f).exists() for f in ("tokenizer.json", "vocab.txt")):
+            shutil.rmtree(Path(local) / "tokenizer", ignore_errors=True)
     index = _read_json(index_path, "shard index")
     shards = index.get("shards")
     if not isinstance(shards, list):
@@ -211,7 +222,7 @@ def inspect_data(paths: Sequence[str], *, cache_root: str, max_seq_len: Optional
                          f"use one tokenizer for all")
     tok_dir = None
     for s in sources:
-        if s.remote is None and (Path(s.local) / "tokenizer").is_dir():
+        if (Path(s.local) / "tokenizer").is_dir():
             tok_dir = str(Path(s.local) / "tokenizer")
             break
     return DataInfo(sources=sources, format=formats.pop(), max_seq_len=data_len if data_len else max_seq_len,

@@ -260,3 +260,60 @@ def test_two_nodes_on_one_host_read_disjoint_halves(packed, tmp_path, port):
     n = inspect_data([str(packed)], cache_root=str(tmp_path)).samples
     assert not set(ids[0]) & set(ids[1])
     assert set(ids[0]) | set(ids[1]) == set(range(n))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Remote shards (a real S3 API: moto's server on 127.0.0.1)
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_remote_shards_stream_through_a_per_job_cache(packed, tmp_path, monkeypatch, port):
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        for key, value in {"S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+                           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            monkeypatch.setenv(key, value)
+        s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}")
+        s3.create_bucket(Bucket="data")
+        for f in packed.rglob("*"):
+            if f.is_file() and not f.name.endswith(".mds") and f.name != ".done":  # what the builder uploads
+                s3.upload_file(str(f), "data", f"en/{f.relative_to(packed)}")
+        cache = tmp_path / "job-cache"
+        info = inspect_data(["s3://data/en"], cache_root=str(cache))
+        local = inspect_data([str(packed)], cache_root=str(tmp_path))
+        assert (info.format, info.samples, info.max_seq_len) == (local.format, local.samples, local.max_seq_len)
+        src = info.sources[0]
+        assert src.remote == "s3://data/en" and Path(src.local).is_relative_to(cache)
+        # The builder's tokenizer came along, so --tokenizer may default to it for remote data too.
+        assert info.tokenizer_dir == str(Path(src.local) / "tokenizer")
+        tok = _tok(Path(src.local))
+        loader = build_loader(info, weights=None, micro_batch=4, collator=_collator(Path(src.local), nsp=False),
+                              vocab_size=len(tok), seed=0, num_workers=0, num_canonical_nodes=1, run_id="remote",
+                              pin_memory=False)
+        ids = [i for b in loader for i in b["sample_ids"].tolist()]
+        assert sorted(ids) == list(range(info.samples))
+        assert list(Path(src.local).glob("part-*/shard.*"))  # the shards were downloaded into the job's cache
+    finally:
+        server.stop()
+
+
+def test_remote_without_index_is_named(tmp_path, monkeypatch, port):
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        for key, value in {"S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+                           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            monkeypatch.setenv(key, value)
+        import boto3
+
+        boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}").create_bucket(Bucket="empty")
+        with pytest.raises(ValueError, match=r"--data s3://empty/x: cannot fetch index.json"):
+            inspect_data(["s3://empty/x"], cache_root=str(tmp_path))
+    finally:
+        server.stop()
