@@ -83,13 +83,13 @@ def sentence_ids_from_specials(input_ids: Sequence[int], *, special_ids: set[int
     return out
 
 
-def _sequence(input_ids: list[int], token_type_ids: list[int], *, special_ids: set[int]) -> AnalysisSequence:
+def _sequence(input_ids: list[int], *, token_type_ids: list[int], special_ids: set[int]) -> AnalysisSequence:
     return AnalysisSequence(input_ids, token_type_ids,
                             sentence_ids_from_specials(input_ids, special_ids=special_ids,
                                                        token_type_ids=token_type_ids))
 
 
-def _count(stats: SourceStats, seq: AnalysisSequence, unk_id: int | None) -> None:
+def _count(stats: SourceStats, *, seq: AnalysisSequence, unk_id: int | None) -> None:
     stats.sequences += 1
     stats.sentences += len({s for s in seq.sentence_ids if s >= 0})
     stats.tokens += sum(1 for s in seq.sentence_ids if s >= 0)
@@ -114,13 +114,13 @@ def read_mds_sequences(root: Path, *, special_ids: set[int], max_sequences: int,
         if "input_ids" not in sample or "token_type_ids" not in sample:
             raise ValueError(f"{root}: sample {i} lacks input_ids/token_type_ids (columns: {sorted(sample)}); "
                              "build the shards with preprocessing/build_shards.py")
-        seq = _sequence([int(t) for t in sample["input_ids"]], [int(t) for t in sample["token_type_ids"]],
-                        special_ids=special_ids)
+        seq = _sequence([int(t) for t in sample["input_ids"]],
+                        token_type_ids=[int(t) for t in sample["token_type_ids"]], special_ids=special_ids)
         if not any(s >= 0 for s in seq.sentence_ids):
             stats.skip("no_text_tokens")
             continue
         out.append(seq)
-        _count(stats, seq, unk_id)
+        _count(stats, seq=seq, unk_id=unk_id)
     stats.skip("beyond_max_sequences", max(0, len(ds) - max_sequences))
     return out, stats
 
@@ -153,7 +153,7 @@ def iter_documents(path: Path) -> Iterator[list[str]]:
         yield doc
 
 
-def read_text_sequences(path: Path, tokenizer, *, max_seq_len: int, max_sequences: int,
+def read_text_sequences(path: Path, *, tokenizer, max_seq_len: int, max_sequences: int,
                         pack: bool = False) -> tuple[list[AnalysisSequence], SourceStats]:
     """Tokenise a text file into model inputs.
 
@@ -173,9 +173,9 @@ def read_text_sequences(path: Path, tokenizer, *, max_seq_len: int, max_sequence
     room = max_seq_len - 2
 
     def emit(ids: list[int]) -> None:
-        seq = _sequence(ids, [0] * len(ids), special_ids=special_ids)
+        seq = _sequence(ids, token_type_ids=[0] * len(ids), special_ids=special_ids)
         out.append(seq)
-        _count(stats, seq, unk_id)
+        _count(stats, seq=seq, unk_id=unk_id)
 
     for doc in iter_documents(path):
         if len(out) >= max_sequences:
@@ -224,7 +224,7 @@ def collate(seqs: Sequence[AnalysisSequence], *, pad_id: int) -> dict[str, torch
     return batch
 
 
-def first_sentence_text(seqs: Sequence[AnalysisSequence], tokenizer, *, max_tokens: int = 24) -> str:
+def first_sentence_text(seqs: Sequence[AnalysisSequence], *, tokenizer, max_tokens: int = 24) -> str:
     """The first sentence of the data with >= 4 tokens, decoded, for the default heatmap."""
     for seq in seqs:
         for sent in sorted({s for s in seq.sentence_ids if s >= 0}):

@@ -103,13 +103,13 @@ class AnalysisData:
                                                       max_sequences=self.cfg.max_sequences,
                                                       unk_id=tokenizer.unk_token_id)
             else:
-                self._cache[key] = read_text_sequences(self.path, tokenizer, max_seq_len=self.cfg.max_seq_len,
+                self._cache[key] = read_text_sequences(self.path, tokenizer=tokenizer, max_seq_len=self.cfg.max_seq_len,
                                                        max_sequences=self.cfg.max_sequences, pack=self.cfg.pack_text)
         return self._cache[key]
 
 
 @torch.inference_mode()
-def analyse_encoder(encoder, seqs: Sequence[AnalysisSequence], *, pad_id: int, batch_size: int,
+def analyse_encoder(encoder, *, seqs: Sequence[AnalysisSequence], pad_id: int, batch_size: int,
                     device: torch.device, isotropy_tokens: int, isotropy_pairs: int, seed: int) -> dict:
     """Per-layer similarity metrics (layer 0 = embedding output) and the last layer's isotropy summary.
 
@@ -161,7 +161,7 @@ def analyse_encoder(encoder, seqs: Sequence[AnalysisSequence], *, pad_id: int, b
 
 
 @torch.inference_mode()
-def sentence_heatmap(encoder, tokenizer, text: str, *, max_tokens: int,
+def sentence_heatmap(encoder, *, tokenizer, text: str, max_tokens: int,
                      device: torch.device) -> tuple[list[str], list[list[float]]]:
     """Tokens of `text` (specials left out, cut to max_tokens) and their last-layer cosine matrix."""
     enc = tokenizer(text, return_tensors="pt", truncation=True, max_length=max_tokens + 2)
@@ -180,7 +180,7 @@ def _summary(result: dict) -> dict:
             "inter_context": last["inter_context"], "gap": last["gap"], **result["isotropy"]}
 
 
-def training_curve(run_dir: Path, data: AnalysisData, cfg: AnalyzeConfig, device: torch.device) -> list[dict]:
+def training_curve(run_dir: Path, *, data: AnalysisData, cfg: AnalyzeConfig, device: torch.device) -> list[dict]:
     """Last-layer metrics of every checkpoint of one run, in step order."""
     try:
         from pipeline.checkpoint import list_checkpoints
@@ -199,7 +199,7 @@ def training_curve(run_dir: Path, data: AnalysisData, cfg: AnalyzeConfig, device
             model, tokenizer = load_student(ckpt)
             encoder = model.bert.eval()
         seqs, _ = data.sequences(tokenizer, label=f"{run_dir}@{step}")
-        result = analyse_encoder(encoder, seqs, pad_id=tokenizer.pad_token_id, batch_size=cfg.batch_size,
+        result = analyse_encoder(encoder, seqs=seqs, pad_id=tokenizer.pad_token_id, batch_size=cfg.batch_size,
                                  device=device, isotropy_tokens=cfg.isotropy_tokens,
                                  isotropy_pairs=cfg.isotropy_pairs, seed=cfg.seed)
         points.append({"step": step, "checkpoint": str(ckpt), **_summary(result)})
@@ -234,12 +234,12 @@ def run_analysis(cfg: AnalyzeConfig) -> dict:
         encoder, tokenizer = load_encoder(path, tokenizer_dir=cfg.tokenizer)
         seqs, source = data.sequences(tokenizer, label=label)
         metrics["data"][vocab_fingerprint(tokenizer)] = asdict(source)
-        result = analyse_encoder(encoder, seqs, pad_id=tokenizer.pad_token_id, batch_size=cfg.batch_size,
+        result = analyse_encoder(encoder, seqs=seqs, pad_id=tokenizer.pad_token_id, batch_size=cfg.batch_size,
                                  device=device, isotropy_tokens=cfg.isotropy_tokens,
                                  isotropy_pairs=cfg.isotropy_pairs, seed=cfg.seed)
         if heat_text is None:
-            heat_text = first_sentence_text(seqs, data.shard_tokenizer or tokenizer, max_tokens=cfg.heatmap_max_tokens)
-        tokens, sim = sentence_heatmap(encoder, tokenizer, heat_text, max_tokens=cfg.heatmap_max_tokens, device=device)
+            heat_text = first_sentence_text(seqs, tokenizer=data.shard_tokenizer or tokenizer, max_tokens=cfg.heatmap_max_tokens)
+        tokens, sim = sentence_heatmap(encoder, tokenizer=tokenizer, text=heat_text, max_tokens=cfg.heatmap_max_tokens, device=device)
         heat_panels.append((label, tokens, sim))
         metrics["models"][label] = {"path": str(path), "vocab": vocab_fingerprint(tokenizer),
                                     "unk_share": source.unk_tokens / max(source.tokens, 1),
@@ -250,14 +250,14 @@ def run_analysis(cfg: AnalyzeConfig) -> dict:
         import numpy as np
 
         curves = {label: m["layers"] for label, m in metrics["models"].items()}
-        metrics["figures"]["layerwise"] = plots.plot_layerwise(curves, cfg.out / "layerwise.png").name
+        metrics["figures"]["layerwise"] = plots.plot_layerwise(curves, path=cfg.out / "layerwise.png").name
         metrics["figures"]["heatmap"] = plots.plot_heatmaps(
-            [(label, tokens, np.asarray(sim)) for label, tokens, sim in heat_panels], cfg.out / "heatmap.png").name
+            [(label, tokens, np.asarray(sim)) for label, tokens, sim in heat_panels], path=cfg.out / "heatmap.png").name
     if cfg.run is not None:
-        points = training_curve(cfg.run, data, cfg, device)
+        points = training_curve(cfg.run, data=data, cfg=cfg, device=device)
         metrics["run"] = {"path": str(cfg.run), "checkpoints": points}
         metrics["figures"]["training_gap"] = plots.plot_training_gap(
-            points, cfg.out / "training_gap.png", title=f"{cfg.run}: last-layer similarity over training").name
+            points, path=cfg.out / "training_gap.png", title=f"run {cfg.run.resolve().name}: last-layer similarity over training").name
     metrics["wall_s"] = round(time.time() - t0, 1)
     (cfg.out / "metrics.json").write_text(json.dumps(metrics, indent=1, ensure_ascii=False))
     (cfg.out / "README.md").write_text(report_markdown(metrics), encoding="utf-8")

@@ -17,7 +17,7 @@ def accuracy(pred: Sequence, gold: Sequence) -> float:
     return sum(p == g for p, g in zip(pred, gold)) / len(gold) if gold else float("nan")
 
 
-def f1_binary(pred: Sequence, gold: Sequence, *, positive=1) -> float:
+def f1_binary(pred: Sequence, *, gold: Sequence, positive=1) -> float:
     """F1 of the positive class; 0.0 when there is no true positive."""
     _same_length(pred, gold)
     tp = sum(p == positive and g == positive for p, g in zip(pred, gold))
@@ -129,7 +129,7 @@ def extract_spans(tags: Sequence[str], *, scheme: str) -> set[Span]:
     return spans
 
 
-def span_f1(gold: Sequence[Sequence[str]], pred: Sequence[Sequence[str]], *, scheme: str) -> dict[str, float]:
+def span_f1(gold: Sequence[Sequence[str]], *, pred: Sequence[Sequence[str]], scheme: str) -> dict[str, float]:
     """Micro precision, recall and F1 over exact (type, start, end) spans of all sentences."""
     _same_length(gold, pred)
     n_gold = n_pred = n_correct = 0

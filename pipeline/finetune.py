@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tasks = [parse_task(t) for t in a.task]
         models = unique_labels([parse_model(m) for m in a.model])
-        results = {label: evaluate_model(path, tasks, cfg) for label, path in models}
+        results = {label: evaluate_model(path, tasks=tasks, cfg=cfg) for label, path in models}
     except ValueError as e:
         print(f"finetune.py: error: {e}", file=sys.stderr)
         return 2
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"config": config_dict(cfg), "models": {label: str(path) for label, path in models},
                "results": results, "wall_s": round(time.time() - t0, 1)}
     (a.out / "results.json").write_text(json.dumps(payload, indent=1, ensure_ascii=False))
-    md = results_markdown(results, cfg)
+    md = results_markdown(results, cfg=cfg)
     (a.out / "results.md").write_text(md, encoding="utf-8")
     print(md)
     return 0

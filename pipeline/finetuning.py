@@ -69,7 +69,7 @@ def _cap(n: int, cap: Optional[int]) -> int:
     return n if cap is None else min(n, cap)
 
 
-def encode_pairs(ex: Examples, tokenizer, *, max_seq_len: int, limit: Optional[int]) -> EncodedSplit:
+def encode_pairs(ex: Examples, *, tokenizer, max_seq_len: int, limit: Optional[int]) -> EncodedSplit:
     """Tokenise single sentences or pairs; pairs are cut longest-first. Cut examples are counted."""
     n = _cap(len(ex), limit)
     a, b = ex.text_a[:n], (ex.text_b[:n] if ex.text_b is not None else None)
@@ -82,7 +82,7 @@ def encode_pairs(ex: Examples, tokenizer, *, max_seq_len: int, limit: Optional[i
     return EncodedSplit(features, ex.labels[:n], ex.labels[:n], counts=counts)
 
 
-def encode_tagging(data: TaggedSentences, tokenizer, *, tag_ids: dict[str, int], max_seq_len: int,
+def encode_tagging(data: TaggedSentences, *, tokenizer, tag_ids: dict[str, int], max_seq_len: int,
                    limit: Optional[int]) -> EncodedSplit:
     """Tokenise pre-split tokens; the first subtoken of each word carries its tag, other subtokens -100.
 
@@ -122,13 +122,13 @@ def encode_tagging(data: TaggedSentences, tokenizer, *, tag_ids: dict[str, int],
     return EncodedSplit(features, labels, data.tags[:n], word_index=word_index, counts=counts)
 
 
-def prepare_task(name: str, folder: Path, tokenizer, cfg: FinetuneConfig) -> PreparedTask:
+def prepare_task(name: str, *, folder: Path, tokenizer, cfg: FinetuneConfig) -> PreparedTask:
     """Read and tokenise one task: a GLUE name (cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli) or
     ner / cws (CoNLL files)."""
     if name in GLUE_TASKS:
         task: GlueTask = GLUE_TASKS[name]
         train, evals = read_glue_task(task, folder)
-        enc = lambda ex, cap: encode_pairs(ex, tokenizer, max_seq_len=cfg.max_seq_len, limit=cap)
+        enc = lambda ex, cap: encode_pairs(ex, tokenizer=tokenizer, max_seq_len=cfg.max_seq_len, limit=cap)
         return PreparedTask(
             name=name, kind="regression" if task.labels is None else "classification",
             num_labels=1 if task.labels is None else len(task.labels), metrics=task.metrics,
@@ -137,14 +137,14 @@ def prepare_task(name: str, folder: Path, tokenizer, cfg: FinetuneConfig) -> Pre
     if name in TAGGING_TASKS:
         train, evals, tags, scheme = read_tagging_task(folder)
         tag_ids = {t: i for i, t in enumerate(tags)}
-        enc = lambda d, cap: encode_tagging(d, tokenizer, tag_ids=tag_ids, max_seq_len=cfg.max_seq_len, limit=cap)
+        enc = lambda d, cap: encode_tagging(d, tokenizer=tokenizer, tag_ids=tag_ids, max_seq_len=cfg.max_seq_len, limit=cap)
         return PreparedTask(name=f"{name} ({folder.name})", kind="tagging", num_labels=len(tags),
                             metrics=("f1", "precision", "recall"), train=enc(train, cfg.max_train_samples),
                             evals={k: enc(v, cfg.max_eval_samples) for k, v in evals.items()}, tags=tags, scheme=scheme)
     raise ValueError(f"--task {name}: unknown task; choose from {sorted(GLUE_TASKS) + list(TAGGING_TASKS)}")
 
 
-def collate(split: EncodedSplit, idx: list[int], *, pad_id: int, kind: str) -> dict[str, torch.Tensor]:
+def collate(split: EncodedSplit, *, idx: list[int], pad_id: int, kind: str) -> dict[str, torch.Tensor]:
     """Right-padded batch of the examples `idx`: input_ids_BL, attention_mask_BL, token_type_ids_BL, labels."""
     length = max(len(split.features[i]["input_ids"]) for i in idx)
     out = {}
@@ -179,14 +179,14 @@ def load_model(model_dir: Path, task: PreparedTask):
 
 
 @torch.no_grad()
-def predict(model, split: EncodedSplit, task: PreparedTask, *, pad_id: int, cfg: FinetuneConfig,
+def predict(model, *, split: EncodedSplit, task: PreparedTask, pad_id: int, cfg: FinetuneConfig,
             device: torch.device) -> list:
     """Class index / float per example, or tag strings per sentence (words without a prediction: "O")."""
     model.eval()
     preds: list = []
     for start in range(0, len(split.features), cfg.eval_batch_size):
         idx = list(range(start, min(start + cfg.eval_batch_size, len(split.features))))
-        batch = collate(split, idx, pad_id=pad_id, kind=task.kind)
+        batch = collate(split, idx=idx, pad_id=pad_id, kind=task.kind)
         batch.pop("labels")
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
             logits = model(**{k: v.to(device) for k, v in batch.items()}).logits.float()
@@ -205,17 +205,17 @@ def predict(model, split: EncodedSplit, task: PreparedTask, *, pad_id: int, cfg:
     return preds
 
 
-def score(task: PreparedTask, preds: list, gold: list) -> dict[str, float]:
+def score(task: PreparedTask, *, preds: list, gold: list) -> dict[str, float]:
     """The task's official metrics (fractions, not percentages)."""
     if task.kind == "tagging":
-        return M.span_f1(gold, preds, scheme=task.scheme)
-    fns = {"accuracy": lambda: M.accuracy(preds, gold), "f1": lambda: M.f1_binary(preds, gold, positive=task.positive),
+        return M.span_f1(gold, pred=preds, scheme=task.scheme)
+    fns = {"accuracy": lambda: M.accuracy(preds, gold), "f1": lambda: M.f1_binary(preds, gold=gold, positive=task.positive),
            "mcc": lambda: M.matthews_corrcoef(preds, gold), "pearson": lambda: M.pearson(preds, gold),
            "spearman": lambda: M.spearman(preds, gold)}
     return {m: fns[m]() for m in task.metrics}
 
 
-def finetune_once(model_dir: Path, task: PreparedTask, *, tokenizer, cfg: FinetuneConfig, seed: int,
+def finetune_once(model_dir: Path, *, task: PreparedTask, tokenizer, cfg: FinetuneConfig, seed: int,
                   device: torch.device) -> dict[str, dict[str, float]]:
     """Fine-tune a fresh copy of the model on task.train with `seed`; metrics per eval split."""
     from transformers import get_linear_schedule_with_warmup
@@ -241,7 +241,7 @@ def finetune_once(model_dir: Path, task: PreparedTask, *, tokenizer, cfg: Finetu
         for start in range(0, n, cfg.batch_size):
             if step >= total:
                 break
-            batch = collate(task.train, order[start:start + cfg.batch_size], pad_id=pad_id, kind=task.kind)
+            batch = collate(task.train, idx=order[start:start + cfg.batch_size], pad_id=pad_id, kind=task.kind)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
                 loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
             loss.backward()
@@ -252,7 +252,8 @@ def finetune_once(model_dir: Path, task: PreparedTask, *, tokenizer, cfg: Finetu
             step += 1
     out = {}
     for split_name, split in task.evals.items():
-        out[split_name] = score(task, predict(model, split, task, pad_id=pad_id, cfg=cfg, device=device), split.gold)
+        preds = predict(model, split=split, task=task, pad_id=pad_id, cfg=cfg, device=device)
+        out[split_name] = score(task, preds=preds, gold=split.gold)
     out["_train"] = {"final_loss": float(loss.detach()), "steps": float(total)}
     return out
 
@@ -270,7 +271,7 @@ def aggregate(values: list[float]) -> dict:
             "per_seed": values}
 
 
-def evaluate_model(model_dir: Path, tasks: list[tuple[str, Path]], cfg: FinetuneConfig, *, log=print) -> dict:
+def evaluate_model(model_dir: Path, *, tasks: list[tuple[str, Path]], cfg: FinetuneConfig, log=print) -> dict:
     """Every task x every seed for one model. Out: {task: {"splits": {split: {metric: {mean, std, per_seed}}},
     "data": counts, "seeds": [...]}}."""
     from transformers import AutoTokenizer
@@ -281,11 +282,11 @@ def evaluate_model(model_dir: Path, tasks: list[tuple[str, Path]], cfg: Finetune
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
     results = {}
     for name, folder in tasks:
-        task = prepare_task(name, folder, tokenizer, cfg)
+        task = prepare_task(name, folder=folder, tokenizer=tokenizer, cfg=cfg)
         runs = []
         for seed in cfg.seeds:
             t0 = time.time()
-            run = finetune_once(model_dir, task, tokenizer=tokenizer, cfg=cfg, seed=seed, device=device)
+            run = finetune_once(model_dir, task=task, tokenizer=tokenizer, cfg=cfg, seed=seed, device=device)
             for split in task.evals:
                 run[split]["score"] = headline(task, run[split])
             log(f"[finetune] {model_dir.name} {task.name} seed {seed}: "
@@ -301,7 +302,7 @@ def evaluate_model(model_dir: Path, tasks: list[tuple[str, Path]], cfg: Finetune
     return results
 
 
-def results_markdown(results: dict, cfg: FinetuneConfig) -> str:
+def results_markdown(results: dict, *, cfg: FinetuneConfig) -> str:
     """One row per task, split and metric; one column per model; mean ± std over seeds, x100."""
     models = list(results)
     lines = [f"Fine-tuning results (mean ± std over seeds {list(cfg.seeds)}; ×100). "

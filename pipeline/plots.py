@@ -53,7 +53,7 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def plot_layerwise(curves: Mapping[str, Sequence[Mapping[str, float]]], path: Path) -> Path:
+def plot_layerwise(curves: Mapping[str, Sequence[Mapping[str, float]]], *, path: Path) -> Path:
     """Layer-wise curves, one line per model, three panels: intra-sentence self-similarity (TaCL),
     intra-context (solid) and inter-context (dashed) similarity (TACO), and their gap.
 
@@ -80,7 +80,7 @@ def plot_layerwise(curves: Mapping[str, Sequence[Mapping[str, float]]], path: Pa
     return _save(fig, path)
 
 
-def plot_heatmaps(panels: Sequence[tuple[str, Sequence[str], np.ndarray]], path: Path, *,
+def plot_heatmaps(panels: Sequence[tuple[str, Sequence[str], np.ndarray]], *, path: Path,
                   layer_name: str = "last layer") -> Path:
     """Token-by-token cosine heatmap of one sentence, one panel per model.
 
@@ -105,7 +105,7 @@ def plot_heatmaps(panels: Sequence[tuple[str, Sequence[str], np.ndarray]], path:
     return _save(fig, path)
 
 
-def plot_training_gap(points: Sequence[Mapping[str, float]], path: Path, *, title: str) -> Path:
+def plot_training_gap(points: Sequence[Mapping[str, float]], *, path: Path, title: str) -> Path:
     """Intra-context, inter-context similarity and their gap over training steps (last layer).
 
     points: dicts with keys step, intra_context, inter_context, gap, intra_sentence, in step order.

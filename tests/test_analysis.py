@@ -159,15 +159,15 @@ def test_text_reader_lines_and_packing(tmp_path):
     tok = write_tokenizer(tmp_path / "tok", WORDS)
     text = tmp_path / "t.txt"
     text.write_text("the cat sat on a mat .\nthe dog ran\n\n   \nit was sunny and warm .\nwe like tea\n", encoding="utf-8")
-    seqs, stats = read_text_sequences(text, tok, max_seq_len=16, max_sequences=100)
+    seqs, stats = read_text_sequences(text, tokenizer=tok, max_seq_len=16, max_sequences=100)
     assert [s.sentence_ids.count(-1) for s in seqs] == [2, 2, 2, 2] and stats.sentences == 4
     assert tok.convert_ids_to_tokens(seqs[1].input_ids) == ["[CLS]", "the", "dog", "ran", "[SEP]"]
-    packed, pstats = read_text_sequences(text, tok, max_seq_len=12, max_sequences=100, pack=True)
+    packed, pstats = read_text_sequences(text, tokenizer=tok, max_seq_len=12, max_sequences=100, pack=True)
     # Document 1 (7 + 3 tokens) needs two sequences of <= 12; document 2 (6 + 3) fits one.
     assert [len(s.input_ids) for s in packed] == [9, 5, 12]
     assert packed[2].sentence_ids == [-1, 0, 0, 0, 0, 0, 0, -1, 1, 1, 1, -1]
     assert pstats.sequences == 3 and pstats.sentences == 4
-    cut, cstats = read_text_sequences(text, tok, max_seq_len=6, max_sequences=2)
+    cut, cstats = read_text_sequences(text, tokenizer=tok, max_seq_len=6, max_sequences=2)
     assert len(cut) == 2 and cstats.skipped == {"truncated_lines": 1, "lines_beyond_max_sequences": 2}
 
 
@@ -175,7 +175,7 @@ def test_text_reader_chinese_one_token_per_character_and_unk_count(tmp_path):
     tok = write_tokenizer(tmp_path / "tok", list("我们喜欢喝茶。今天很好"))
     text = tmp_path / "zh.jsonl"
     text.write_text(json.dumps({"text": "我们喜欢喝茶。\n今天天气很好。"}, ensure_ascii=False) + "\n", encoding="utf-8")
-    seqs, stats = read_text_sequences(text, tok, max_seq_len=32, max_sequences=10, pack=True)
+    seqs, stats = read_text_sequences(text, tokenizer=tok, max_seq_len=32, max_sequences=10, pack=True)
     assert len(seqs) == 1 and seqs[0].sentence_ids == [-1] + [0] * 7 + [-1] + [1] * 7 + [-1]
     assert stats.unk_tokens == 1  # 气 is not in the vocabulary: kept as a position, counted
 
@@ -197,13 +197,13 @@ def assert_png(path: Path, *, min_bytes: int = 5000) -> None:
 def test_plots_are_written_and_non_empty(tmp_path):
     layers = lambda k: [{"layer": i, "intra_sentence": 0.2 + k * i / 10, "intra_context": 0.3 + i / 20,
                          "inter_context": 0.1 + k * i / 30, "gap": 0.2 - i / 50} for i in range(7)]
-    assert_png(plots.plot_layerwise({"mlm": layers(1), "tacl": layers(0.3)}, tmp_path / "layerwise.png"))
+    assert_png(plots.plot_layerwise({"mlm": layers(1), "tacl": layers(0.3)}, path=tmp_path / "layerwise.png"))
     sim = np.random.default_rng(0).uniform(0, 1, (6, 6))
     assert_png(plots.plot_heatmaps([("a", list("abcdef"), sim), ("b", ["中", "国", "x", "y", "z", "w"], sim.T)],
-                                   tmp_path / "heatmap.png"))
+                                   path=tmp_path / "heatmap.png"))
     points = [{"step": s, "intra_context": 0.5, "inter_context": 0.5 - s / 1000, "gap": s / 1000,
                "intra_sentence": 0.4} for s in (0, 100, 200)]
-    assert_png(plots.plot_training_gap(points, tmp_path / "gap.png", title="run"))
+    assert_png(plots.plot_training_gap(points, path=tmp_path / "gap.png", title="run"))
 
 
 # --------------------------------------------------------------------------- the CLI, end to end

@@ -24,12 +24,12 @@ def test_classification_metrics_hand_computed():
     pred, gold = [1, 1, 0, 0, 1, 0], [1, 0, 0, 0, 1, 1]
     # tp 2, fp 1, tn 2, fn 1
     assert M.accuracy(pred, gold) == pytest.approx(4 / 6)
-    assert M.f1_binary(pred, gold) == pytest.approx(2 * 2 / (2 * 2 + 1 + 1))
+    assert M.f1_binary(pred, gold=gold) == pytest.approx(2 * 2 / (2 * 2 + 1 + 1))
     assert M.matthews_corrcoef(pred, gold) == pytest.approx((2 * 2 - 1 * 1) / 9)  # sqrt(3*3*3*3) = 9
     assert M.matthews_corrcoef([1, 1, 1], [0, 1, 0]) == 0.0  # one predicted class: defined as 0
     assert M.matthews_corrcoef(gold, gold) == pytest.approx(1.0)
     assert M.matthews_corrcoef([1 - g for g in gold], gold) == pytest.approx(-1.0)
-    assert M.f1_binary([0, 0], [1, 0]) == 0.0
+    assert M.f1_binary([0, 0], gold=[1, 0]) == 0.0
     with pytest.raises(ValueError, match="length mismatch"):
         M.accuracy([1], [1, 0])
 
@@ -68,11 +68,11 @@ def test_span_f1_hand_computed():
     gold = [["B-PER", "I-PER", "O", "B-LOC"], ["O", "B-ORG"]]
     pred = [["B-PER", "I-PER", "O", "B-ORG"], ["O", "O"]]
     # gold spans 3, predicted 2, correct 1: P 1/2, R 1/3, F1 2 * (1/6) / (5/6) = 0.4
-    got = M.span_f1(gold, pred, scheme="bio")
+    got = M.span_f1(gold, pred=pred, scheme="bio")
     assert (got["precision"], got["recall"], got["f1"]) == pytest.approx((0.5, 1 / 3, 0.4))
-    cws = M.span_f1([list("BESBME")], [list("BEBEBE")], scheme="bmes")  # 3 gold words, 3 predicted, 1 right
+    cws = M.span_f1([list("BESBME")], pred=[list("BEBEBE")], scheme="bmes")  # 3 gold words, 3 predicted, 1 right
     assert cws["f1"] == pytest.approx(1 / 3)
-    assert M.span_f1([["O"]], [["O"]], scheme="bio")["f1"] == 0.0
+    assert M.span_f1([["O"]], pred=[["O"]], scheme="bio")["f1"] == 0.0
 
 
 # --------------------------------------------------------------------------- readers, real layouts
@@ -225,7 +225,7 @@ def test_finetuning_learns_constructed_tasks(tmp_path, tiny_model):
         write(sts / split, [header] + rows)
     ner = write_tagging(tmp_path / "toy_ner", scheme="bio")
     cfg = FinetuneConfig(epochs=6, lr=2e-3, batch_size=16, max_seq_len=32, seeds=(1, 2), warmup_ratio=0.1)
-    res = evaluate_model(tiny_model, [("sst2", sst), ("stsb", sts), ("ner", ner)], cfg, log=lambda s: None)
+    res = evaluate_model(tiny_model, tasks=[("sst2", sst), ("stsb", sts), ("ner", ner)], cfg=cfg, log=lambda s: None)
     acc = res["sst2"]["splits"]["dev"]["accuracy"]
     assert len(acc["per_seed"]) == 2 and min(acc["per_seed"]) >= 0.95, acc
     assert res["stsb"]["splits"]["dev"]["pearson"]["mean"] >= 0.9, res["stsb"]["splits"]["dev"]
@@ -233,7 +233,7 @@ def test_finetuning_learns_constructed_tasks(tmp_path, tiny_model):
     assert min(f1["per_seed"]) >= 0.9, f1
     assert res["ner (toy_ner)"]["scheme"] == "bio" and res["ner (toy_ner)"]["data"]["dev"]["words_without_prediction"] == 0
     # Different seeds are different runs; the same seed is the same run.
-    again = evaluate_model(tiny_model, [("stsb", sts)], FinetuneConfig(**{**cfg.__dict__, "seeds": (1,)}),
+    again = evaluate_model(tiny_model, tasks=[("stsb", sts)], cfg=FinetuneConfig(**{**cfg.__dict__, "seeds": (1,)}),
                            log=lambda s: None)
     assert again["stsb"]["splits"]["dev"]["pearson"]["per_seed"][0] == pytest.approx(
         res["stsb"]["splits"]["dev"]["pearson"]["per_seed"][0], abs=1e-6)
