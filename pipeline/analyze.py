@@ -16,29 +16,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.analysis_run import AnalyzeConfig, run_analysis  # noqa: E402
-
-
-def parse_model(arg: str) -> tuple[str, Path]:
-    """"DIR" -> (folder name, DIR); "LABEL=DIR" -> (LABEL, DIR) unless the whole string is a path."""
-    if "=" in arg and not Path(arg).exists():
-        label, path = arg.split("=", 1)
-        if label and "/" not in label:
-            return label, Path(path)
-    return Path(arg).resolve().name, Path(arg)
-
-
-def unique_labels(models: list[tuple[str, Path]]) -> list[tuple[str, Path]]:
-    """Two folders called `export` get their parent's name in front, so metrics.json keys stay distinct."""
-    seen: dict[str, int] = {}
-    out = []
-    for label, path in models:
-        if label in seen:
-            label = f"{path.resolve().parent.name}/{label}"
-        seen[label] = seen.get(label, 0) + 1
-        if seen[label] > 1:
-            label = f"{label}#{seen[label]}"
-        out.append((label, path))
-    return out
+from pipeline.model_args import parse_model, unique_labels  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

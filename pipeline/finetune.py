@@ -20,7 +20,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.analyze import parse_model, unique_labels  # noqa: E402
+from pipeline.model_args import parse_model, unique_labels  # noqa: E402
 from pipeline.finetuning import FinetuneConfig, config_dict, evaluate_model, results_markdown  # noqa: E402
 from pipeline.task_data import GLUE_TASKS, TAGGING_TASKS  # noqa: E402
 
