@@ -137,6 +137,10 @@ class Meter:
         self.micro = 0
         self.steps = 0
         self.t0 = time.perf_counter()
+        self.excluded = 0.0  # seconds spent on other things (checkpoints) inside the interval
+
+    def exclude(self, seconds: float) -> None:
+        self.excluded += seconds
 
     def add(self, values: dict[str, torch.Tensor], *, tokens: int, samples: int, flops: float) -> None:
         for k, v in values.items():
@@ -147,12 +151,12 @@ class Meter:
 
     def reduce(self, keys: list[str]) -> tuple[dict[str, float], float, int]:
         """(means of losses / sums of counts over ranks, seconds, steps) since the last reduce."""
-        elapsed, steps = time.perf_counter() - self.t0, self.steps
+        elapsed, steps = max(time.perf_counter() - self.t0 - self.excluded, 1e-9), self.steps
         local = torch.tensor([self.sums.get(k, 0.0) for k in keys] + [float(self.micro)], dtype=torch.float64)
         summed = distributed.sum_over_ranks(local).tolist()
         micro_all = max(summed[-1], 1.0)
         out = {k: (v if k in self.COUNTS else v / micro_all) for k, v in zip(keys, summed)}
-        self.sums, self.micro, self.steps, self.t0 = {}, 0, 0, time.perf_counter()
+        self.sums, self.micro, self.steps, self.t0, self.excluded = {}, 0, 0, time.perf_counter(), 0.0
         return out, elapsed, steps
 
 
@@ -373,7 +377,9 @@ def log_record(run: Run, meter: Meter, *, lr: float) -> dict[str, Any]:
             "tflops_per_s": flops_per_s / 1e12,
             "mfu": flops_per_s / (run.peak * distributed.world_size()) if run.peak else None,
             "step_time_s": elapsed / max(steps, 1), "mem_gb": mem, "mem_kind": mem_kind,
-            "skipped_micro_batches": run.skipped, "time": time.time()}
+            "skipped_micro_batches": run.skipped,
+            # fp16's dynamic loss scaling skips the optimizer step on overflow (DeepSpeed counts them).
+            "overflow_steps": int(getattr(run.engine, "skipped_steps", 0)), "time": time.time()}
 
 
 def train(prep: Prepared) -> int:
@@ -422,7 +428,9 @@ def loop(run: Run, flag: PreemptionFlag, *, writer: MetricsWriter, bar: Any) -> 
             if bar is not None:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
         if run.step % cfg.run.save_every == 0 or run.step == cfg.schedule.max_steps or stopping:
+            t0 = time.perf_counter()
             save(run)
+            meter.exclude(time.perf_counter() - t0)  # throughput counts training, not checkpoints
             last_saved = run.step
         if res.stop_signal is not None:
             say(f"pre-emption signal {res.stop_signal}: saved checkpoint at step {run.step}, exiting 0")

@@ -17,7 +17,7 @@ from trainer_fixtures import (explain, free_port, minilm_dir, read_metrics, read
 pytestmark = pytest.mark.multiproc
 
 COMMON = {"step", "loss", "mlm_loss", "mlm_acc", "lr", "grad_norm", "loss_scale", "tokens_per_s", "samples_per_s",
-          "tflops_per_s", "mfu", "step_time_s", "mem_gb", "mem_kind", "skipped_micro_batches", "time"}
+          "tflops_per_s", "mfu", "step_time_s", "mem_gb", "mem_kind", "skipped_micro_batches", "overflow_steps", "time"}
 TERMS = {"mlm": set(), "taco": {"tc_loss", "tc_acc"}, "tacl": {"nsp_loss", "nsp_acc", "tacl_loss", "tacl_acc"}}
 
 
@@ -51,7 +51,7 @@ def test_objective_trains_and_logs_every_field(objective, tmp_path_factory, shar
     for r in rows:
         assert set(r) == COMMON | TERMS[objective], set(r) ^ (COMMON | TERMS[objective])
         assert r["mfu"] is None and r["mem_kind"] == "cpu_max_rss"  # no known peak on CPU
-        assert r["loss_scale"] == 1.0 and r["tokens_per_s"] > 0 and r["samples_per_s"] > 0 and r["mem_gb"] > 0
+        assert r["loss_scale"] == 1.0 and r["overflow_steps"] == 0 and r["tokens_per_s"] > 0 and r["samples_per_s"] > 0 and r["mem_gb"] > 0
         assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
         parts = r["mlm_loss"] + r.get("nsp_loss", 0) + r.get("tacl_loss", 0) + r.get("tc_loss", 0)
         assert abs(r["loss"] - parts) < 1e-4 * max(1.0, abs(r["loss"]))
@@ -62,7 +62,8 @@ def test_objective_trains_and_logs_every_field(objective, tmp_path_factory, shar
     assert any((save / "tensorboard").glob("events.out.tfevents.*"))
     config = json.loads((save / "config.json").read_text())
     assert config["objective"]["objective"] == objective
-    assert config["engine"] == {"micro_batch_per_rank": 4, "gradient_accumulation_steps": 1, "world_size": 2,
+    micro, accum = (2, 2) if objective == "tacl" else (4, 1)  # read back from the engine, not set twice
+    assert config["engine"] == {"micro_batch_per_rank": micro, "gradient_accumulation_steps": accum, "world_size": 2,
                                 "global_batch": 8, "dtype": "bfloat16", "device": "cpu"}
 
 

@@ -17,7 +17,8 @@ import torch
 
 from pipeline.checkpoint import latest_checkpoint, list_checkpoints
 from trainer_fixtures import (REPO, deepspeed_cmd, explain, free_port, launch_env, read_metrics, read_trace,
-                              run_deepspeed, shard_sets, tacl_args, tacl_straight, train_args, write_ds_config)
+                              run_deepspeed, shard_sets, tacl_args, tacl_ds, tacl_straight, train_args,
+                              write_ds_config)
 
 pytestmark = pytest.mark.multiproc
 N = 8
@@ -33,8 +34,9 @@ def ds(tmp_path_factory) -> Path:
     return write_ds_config(tmp_path_factory.getbasetemp() / "ds_micro4.json", micro=4)
 
 
-def test_resume_continues_exactly(tmp_path_factory, shards, ds, tmp_path):
+def test_resume_continues_exactly(tmp_path_factory, shards, tmp_path):
     straight, _ = tacl_straight(tmp_path_factory)
+    ds = tacl_ds(tmp_path_factory)  # micro-batch 2 x accumulation 2
     save = tmp_path / "chunked"
     first = run_deepspeed(free_port(), tacl_args(shards, ds, save, extra=["--stop_after_step", str(N)]))
     assert first.returncode == 0, explain(first)
@@ -97,8 +99,9 @@ def test_sigterm_saves_and_exits_0_then_resumes(shards, ds, tmp_path):
     assert [r["step"] for r in read_metrics(save)][-3:] == [k, k + 1, k + 2]
 
 
-def test_a_checkpoint_that_died_half_written_is_never_used(tmp_path_factory, shards, ds, tmp_path):
+def test_a_checkpoint_that_died_half_written_is_never_used(tmp_path_factory, shards, tmp_path):
     straight, _ = tacl_straight(tmp_path_factory)
+    ds = tacl_ds(tmp_path_factory)
     save = tmp_path / "died"
     shutil.copytree(straight / "checkpoints", save / "checkpoints")
     shutil.copy(straight / "metrics.jsonl", save / "metrics.jsonl")

@@ -214,9 +214,14 @@ def tacl_args(shards: dict[str, Path], ds: Path, save_dir: Path, *, max_steps: i
                              "--debug_nan_steps", "5", "--debug_nan_rank", "1", *extra])
 
 
+def tacl_ds(tmp_path_factory) -> Path:
+    """The TaCL runs' DeepSpeed JSON: micro-batch 2 x gradient accumulation 2 (the accumulation path)."""
+    return write_ds_config(tmp_path_factory.getbasetemp() / "ds_micro2_accum2.json", micro=2, accum=2)
+
+
 def tacl_straight(tmp_path_factory) -> tuple[Path, str]:
     """16 TaCL steps in one go, with an export at the end."""
     shards = shard_sets(tmp_path_factory)
-    ds = write_ds_config(tmp_path_factory.getbasetemp() / "ds_micro4.json", micro=4)
+    ds = tacl_ds(tmp_path_factory)
     return session_run(tmp_path_factory, "tacl_straight",
                        lambda save: tacl_args(shards, ds, save, extra=["--export_dir", str(save.parent / "export")]))
