@@ -295,11 +295,9 @@ def any_rank_flags(flags: Sequence[bool]) -> list[bool]:
 def single_process_env() -> None:
     """Without a launcher, describe a world of one process (benchmarks, notebooks), so that the same
     env:// process group and DeepSpeed set-up run unchanged. Variables already set win."""
-    import socket as _socket
-
     env = os.environ
     if "MASTER_PORT" not in env:
-        with _socket.socket() as s:
+        with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             env["MASTER_PORT"] = str(s.getsockname()[1])
     for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
