@@ -412,7 +412,6 @@ def loop(run: Run, flag: PreemptionFlag, *, writer: MetricsWriter, bar: Any) -> 
     """Train to max_steps. Returns None when done, else why it stopped early (after saving)."""
     cfg = run.prep.cfg
     batches, meter = Batches(run.loader), Meter()
-    last_saved = run.step
     run.engine.train()
     while run.step < cfg.schedule.max_steps:
         res = train_step(run, batches, flag, meter)
@@ -420,8 +419,11 @@ def loop(run: Run, flag: PreemptionFlag, *, writer: MetricsWriter, bar: Any) -> 
             bar.update(1)
         if cfg.run.trace_samples:
             writer.trace(run.step, distributed.all_gather_object(res.sample_ids))
-        chunk_end = run.step == cfg.run.stop_after_step and run.step < cfg.schedule.max_steps
-        stopping = res.stop_signal is not None or chunk_end
+        # At max_steps the run simply ends (saved, exported) whatever asked it to stop.
+        more = run.step < cfg.schedule.max_steps
+        signalled = res.stop_signal is not None and more
+        chunk_end = run.step == cfg.run.stop_after_step and more
+        stopping = signalled or chunk_end
         if run.step % cfg.run.log_every == 0 or run.step == cfg.schedule.max_steps or stopping:
             record = log_record(run, meter, lr=res.lr)
             writer.log(record)
@@ -431,16 +433,13 @@ def loop(run: Run, flag: PreemptionFlag, *, writer: MetricsWriter, bar: Any) -> 
             t0 = time.perf_counter()
             save(run)
             meter.exclude(time.perf_counter() - t0)  # throughput counts training, not checkpoints
-            last_saved = run.step
-        if res.stop_signal is not None:
+        if signalled:
             say(f"pre-emption signal {res.stop_signal}: saved checkpoint at step {run.step}, exiting 0")
             return res.stop_signal
         if chunk_end:
             say(f"stopped after step {run.step} (--stop_after_step): saved checkpoint, exiting 0")
             return "--stop_after_step"
-    if last_saved != run.step:  # resumed at max_steps: nothing trained, nothing to save
-        save(run)
-    return None
+    return None  # at max_steps, saved (or resumed there: nothing left to train)
 
 
 def finish(run: Run) -> None:
