@@ -14,6 +14,7 @@ import atexit
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import tempfile
@@ -411,6 +412,34 @@ def _separate_colocated_nodes(key: str) -> Optional[list[Path]]:
     return [p for p in folder(node).glob(f"*_{BARRIER_FILELOCK}")]
 
 
+def _attempt_caches(info: DataInfo) -> list[str]:
+    """Where streaming caches each source: a local folder is read in place; a remote one goes to
+    CACHE/node{n}-{attempt}/stream..., private to this node and to this run of the job.
+
+    streaming refuses a cache folder that another live dataset registered with a remote, and a
+    job killed hard leaves its registration behind in shared memory: a requeued job on the same
+    node would then be refused its own folder. A fresh folder per attempt (rank 0's token, the same
+    on every rank) avoids that; the node's local leader removes the folders of earlier attempts.
+    """
+    if all(s.remote is None for s in info.sources):
+        return [s.local for s in info.sources]
+    node = distributed.rank() // distributed.local_world_size()
+    token = distributed.all_gather_object(secrets.token_hex(4))[0]
+    out = []
+    for s in info.sources:
+        if s.remote is None:
+            out.append(s.local)
+            continue
+        root = Path(s.local).parent
+        out.append(str(root / f"node{node}-{token}" / Path(s.local).name))
+        if distributed.local_rank() == 0:
+            for old in root.glob(f"node{node}-*"):
+                if old.name != f"node{node}-{token}":
+                    shutil.rmtree(old, ignore_errors=True)
+    distributed.barrier()
+    return out
+
+
 def build_loader(
     info: DataInfo,
     *,
@@ -436,10 +465,11 @@ def build_loader(
 
     distributed.normalize_launch_env()
     markers = _separate_colocated_nodes(run_id)
+    locals_ = _attempt_caches(info)
     total = sum(weights) if weights else None
     streams = [
-        Stream(remote=s.remote, local=s.local, proportion=(w / total) if weights else None)
-        for s, w in zip(info.sources, weights or [None] * len(info.sources))
+        Stream(remote=s.remote, local=local, proportion=(w / total) if weights else None)
+        for s, local, w in zip(info.sources, locals_, weights or [None] * len(info.sources))
     ]
     dataset = _streaming_dataset_class()(
         streams=streams, vocab_size=vocab_size, batch_size=micro_batch, shuffle=True, shuffle_seed=seed,

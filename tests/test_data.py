@@ -296,7 +296,10 @@ def test_remote_shards_stream_through_a_per_job_cache(packed, tmp_path, monkeypa
                               pin_memory=False)
         ids = [i for b in loader for i in b["sample_ids"].tolist()]
         assert sorted(ids) == list(range(info.samples))
-        assert list(Path(src.local).glob("part-*/shard.*"))  # the shards were downloaded into the job's cache
+        # The shards were downloaded into this run's own folder of the job's cache.
+        attempt = Path(loader.dataset.streams[0].local)
+        assert attempt.parent.name.startswith("node0-") and attempt.is_relative_to(cache)
+        assert list(attempt.glob("part-*/shard.*"))
     finally:
         server.stop()
 
