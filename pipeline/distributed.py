@@ -319,3 +319,20 @@ def bound_new_group_timeouts(*, timeout_s: float) -> None:
     c10d.default_pg_timeout = bound
     if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), datetime.timedelta):
         c10d.default_pg_nccl_timeout = bound
+
+
+def release_deepspeed_shm() -> None:
+    """Remove this rank's DeepSpeed CPU shared-memory all-reduce buffer (~70 MB in /dev/shm).
+
+    With DS_ACCELERATOR=cpu and every rank on one host (LOCAL_SIZE == world size, the deepspeed
+    launcher), DeepSpeed creates `deepspeed_allreduce_buffer_{uid}_{MASTER_ADDR}_{MASTER_PORT}_{rank}`
+    and never unlinks it, so every run would leave its buffers in RAM. The name is this job's and this
+    rank's alone; mappings other ranks hold stay valid after the unlink.
+    """
+    env = os.environ
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR', '')}_"
+            f"{env.get('MASTER_PORT', '')}_{env.get('RANK', rank())}")
+    try:
+        os.unlink(name)
+    except OSError:
+        pass

@@ -406,6 +406,7 @@ def train(prep: Prepared) -> int:
             writer.close()
         if run is not None:
             shutdown_loader(run.loader)
+        distributed.release_deepspeed_shm()
 
 
 def loop(run: Run, flag: PreemptionFlag, *, writer: MetricsWriter, bar: Any) -> Optional[str]:
