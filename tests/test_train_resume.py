@@ -3,6 +3,7 @@ save that died half-way, the frozen teacher, and two "nodes" on one machine."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -178,7 +179,8 @@ def test_a_hung_rank_fails_the_others_within_dist_timeout(shards, ds, tmp_path):
                       extra=["--save_every", "100000", "--dist_timeout_s", str(timeout_s)])
     out, err = open(tmp_path / "out.log", "w"), open(tmp_path / "err.log", "w")
     # faulthandler: if rank 0 does hang, SIGABRT makes it print where.
-    launcher = subprocess.Popen(deepspeed_cmd(free_port(), args), cwd=REPO, env=launch_env(PYTHONFAULTHANDLER="1"),
+    port = free_port()
+    launcher = subprocess.Popen(deepspeed_cmd(port, args), cwd=REPO, env=launch_env(PYTHONFAULTHANDLER="1"),
                                 stdout=out, stderr=err)
     stopped = None
     try:
@@ -202,6 +204,8 @@ def test_a_hung_rank_fails_the_others_within_dist_timeout(shards, ds, tmp_path):
         if stopped is not None:
             stopped.kill()
         launcher.wait(timeout=120)
+        # The killed rank could not remove its DeepSpeed shared-memory buffer (see release_deepspeed_shm).
+        Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_1").unlink(missing_ok=True)
     assert launcher.returncode != 0
     log = (tmp_path / "err.log").read_text()
     assert re.search(r"[Tt]imed? ?out", log), log[-3000:]
