@@ -188,6 +188,9 @@ def _inspect_one(path: str, *, i: int, cache_root: str, verify_files: bool) -> S
         for s in shards:
             check_shard_file(Path(local), s)
     manifest = _read_json(manifest_path, "build manifest") if manifest_path.is_file() else None
+    if manifest is not None and manifest.get("status", "complete") != "complete":
+        raise ValueError(f"--data {path}: its build did not finish (build_manifest.json status "
+                         f"{manifest.get('status')!r}); finish it with build_shards.py --resume")
     return SourceInfo(path=path, remote=remote, local=local, format=fmt, samples=samples, shards=len(shards),
                       columns=columns, manifest=manifest)
 

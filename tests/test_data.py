@@ -320,3 +320,11 @@ def test_remote_without_index_is_named(tmp_path, monkeypatch, port):
             inspect_data(["s3://empty/x"], cache_root=str(tmp_path))
     finally:
         server.stop()
+
+
+def test_an_unfinished_build_is_refused(packed, tmp_path):
+    d = _copy(packed, tmp_path / "unfinished")
+    manifest = json.loads((d / "build_manifest.json").read_text())
+    (d / "build_manifest.json").write_text(json.dumps({**manifest, "status": "running"}))
+    with pytest.raises(ValueError, match=r"its build did not finish .*'running'.*--resume"):
+        inspect_data([str(d)], cache_root=str(tmp_path))
