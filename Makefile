@@ -31,6 +31,7 @@ _demo:
 	      --input en:preprocessing/sample_corpus/en.txt --input zh:preprocessing/sample_corpus/zh.jsonl \
 	      --output $(DEMO)/shards --train_tokenizer wordpiece --vocab_size 3000 \
 	      --format packed --max_seq_len 64 --num_workers 2 --overwrite; \
+	  rm -rf $(DEMO)/run $(DEMO)/export; \
 	  deepspeed $$LAUNCH pipeline/train.py --ds_config deepspeed_configs/zero2.json \
 	      --objective taco --data $(DEMO)/shards --model_config tiny \
 	      --max_steps 30 --save_dir $(DEMO)/run --export_dir $(DEMO)/export --seed 0; \

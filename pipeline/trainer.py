@@ -69,6 +69,12 @@ class PreemptionFlag:
         signal.signal(signal.SIGUSR1, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
 
+    def ignore_further(self) -> None:
+        """Copies of a pre-emption signal reach Slurm's nodes seconds apart: a late one must not kill
+        a rank that has already saved and is exiting (Python restores SIG_DFL at exit; SIG_IGN stays)."""
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
     def _on_signal(self, signum: int, _frame: Any) -> None:
         if signum == signal.SIGUSR1:
             self.usr1 = True
@@ -237,7 +243,7 @@ def setup(prep: Prepared) -> Run:
                            "device": str(device)},
                 "data_format": prep.data.format, "nsp": prep.use_nsp, "tokenizer": prep.tokenizer_dir,
                 "max_seq_len": prep.data.max_seq_len, "samples": prep.data.samples,
-                "model": prep.bert_config.to_dict()}
+                "bert_config": prep.bert_config.to_dict()}
     layer_params, head_params = non_embedding_params(student.config)
     c = student.config
     run = Run(prep=prep, engine=engine, teacher=teacher, teacher_print=fingerprint(teacher) if teacher is not None else None,
@@ -407,6 +413,7 @@ def train(prep: Prepared) -> int:
         if run is not None:
             shutdown_loader(run.loader)
         distributed.release_deepspeed_shm()
+        flag.ignore_further()
 
 
 def loop(run: Run, flag: PreemptionFlag, *, writer: MetricsWriter, bar: Any) -> Optional[str]:

@@ -98,7 +98,9 @@ def test_tacl_from_the_real_pretrained_checkpoint(tmp_path, shards):
     ref.pooler = None
     assert states["teacher_fingerprint"] == fingerprint(ref.to(torch.bfloat16))
     config = json.loads((save / "config.json").read_text())
-    assert config["model"]["hidden_size"] == 384 and config["model"]["vocab_size"] == 30522
+    # The run's own model arguments (what analyze.py reads as step 0 of a run) and the resolved BERT config.
+    assert config["model"]["init_from"] == str(minilm_dir())
+    assert config["bert_config"]["hidden_size"] == 384 and config["bert_config"]["vocab_size"] == 30522
     assert config["tokenizer"] == str(shards["nsp48_minilm"] / "tokenizer")  # a copy of MiniLM's own
 
 
