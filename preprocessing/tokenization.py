@@ -87,6 +87,9 @@ def train_tokenizer(kind: str, *, texts: Sequence[str] | Callable[[], Iterable[s
     [CLS] A [SEP] B [SEP] post-processor. The same texts give the same tokenizer, run after run."""
     from tokenizers import Tokenizer, processors, trainers
 
+    if not callable(texts) and iter(texts) is texts:
+        # A one-shot iterator (a generator) would be empty on the second pass and train on nothing.
+        texts = list(texts)
     passes = texts if callable(texts) else (lambda: texts)
     tok = new_tokenizer(kind, lowercase=lowercase)
     if kind == "wordpiece":

@@ -92,10 +92,10 @@ def _chinese_word_starts(encoder: SentenceEncoder, *, ws_T: np.ndarray, ids_T: n
     for k in np.flatnonzero(~ok_S):
         sentence = texts[k]
         local = starts_C[char_off[k]:char_off[k] + char_lens[k]]
+        local_cjk = cjk_C[char_off[k]:char_off[k] + char_lens[k]]
         enc = encoder.tok.encode(sentence, add_special_tokens=False)
         base = offsets_S1[zh_idx[k]]
         for j, (tid, (lo, hi)) in enumerate(zip(enc.ids, enc.offsets)):
             # Only a token that is one ideograph, or [UNK] standing for one, takes rjieba's flag.
-            if j and hi - lo == 1 and (encoder.cjk_table[tid] or tid == encoder.unk_id) \
-                    and is_cjk_codepoints(np.array([ord(sentence[lo])]))[0]:
+            if j and hi - lo == 1 and (encoder.cjk_table[tid] or tid == encoder.unk_id) and local_cjk[lo]:
                 ws_T[base + j] = local[lo]

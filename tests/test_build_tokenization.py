@@ -105,3 +105,16 @@ def test_training_is_reproducible(kind):
     texts = [clean_text(line) for lines in english_docs(40, seed=2) + chinese_docs() for line in lines]
     runs = {train_tokenizer(kind, texts=texts, vocab_size=2000).to_str() for _ in range(3)}
     assert len(runs) == 1
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "sentencepiece"])
+def test_training_from_a_generator_equals_training_from_a_list(kind):
+    """The trainer reads its texts twice; a one-shot generator must not leave the second pass empty
+    (that once produced a vocabulary of bare characters, every Chinese sentence [UNK])."""
+    from preprocessing.tokenization import train_tokenizer
+
+    texts = [clean_text(line) for lines in english_docs(40, seed=2) + chinese_docs() for line in lines]
+    from_list = train_tokenizer(kind, texts=texts, vocab_size=2000)
+    from_gen = train_tokenizer(kind, texts=(t for t in texts), vocab_size=2000)
+    assert from_gen.to_str() == from_list.to_str()
+    assert from_list.get_vocab_size() > 1000
