@@ -24,7 +24,7 @@ from typing import Iterator
 from preprocessing.config import OUTPUT_KEYS, BuildConfig, parse_args
 from preprocessing.errors import UsageError
 from preprocessing.inputs import Chunk, InputFile, auto_chunk_bytes, plan_chunks, resolve_inputs
-from preprocessing.mds import COMPRESSION, HASHES, SIZE_LIMIT, columns_for
+from preprocessing.mds import COMPRESSION, HASHES, SIZE_LIMIT, columns_for, merge_local_indexes
 from preprocessing.process import PART_REJECTS, PART_STATS, TaskSpec, process_chunk
 from preprocessing.report import aggregate, format_summary, versions
 from preprocessing.tokenization import TokenizerInfo, prepare_tokenizer, training_texts
@@ -205,12 +205,17 @@ def _task_options(cfg: BuildConfig) -> dict:
     return {"runtime_env": {"env_vars": env}} if cfg.remote and env else {}
 
 
-def warm_worker() -> int:
-    """Import what chunk tasks need (streaming alone takes seconds: torch, transformers...)."""
-    from preprocessing.mds import make_fast_writer_class
+def warm_worker(remote: bool) -> int:
+    """Import what chunk tasks need: the tokenizer and segmenter libraries, and streaming (seconds:
+    torch, transformers...) only when its uploader is needed."""
+    if remote:
+        from preprocessing.mds import make_fast_writer_class
 
-    make_fast_writer_class()
+        make_fast_writer_class()
     import rjieba  # noqa: F401  (loads its dictionary)
+    import tokenizers  # noqa: F401
+    import xxhash  # noqa: F401
+    import zstd  # noqa: F401
     return os.getpid()
 
 
@@ -218,7 +223,7 @@ def _warm_up(ray, *, workers: int, cfg: BuildConfig) -> None:
     """Start the workers' imports now, while the driver prepares the tokenizer; not awaited."""
     task = ray.remote(num_cpus=1)(warm_worker).options(**_task_options(cfg))
     for _ in range(workers):
-        task.remote()
+        task.remote(bool(cfg.remote))
 
 
 def _run_chunks(ray, todo: list[Chunk], *, spec: TaskSpec, tokenizer_json: str, cfg: BuildConfig,
@@ -258,10 +263,9 @@ def _run_chunks(ray, todo: list[Chunk], *, spec: TaskSpec, tokenizer_json: str, 
     return results
 
 
-def merge_part_indexes(output: str, *, remote: str | None, part_names: list[str],
-                       extra_files: list[str]) -> int:
-    """OUTPUT/index.json over the parts (streaming's merge_index), uploaded with `extra_files`
-    when there is a remote. Returns the number of shards indexed."""
+def merge_part_indexes(output: str, *, remote: str, part_names: list[str], extra_files: list[str]) -> int:
+    """OUTPUT/index.json over the parts (streaming's merge_index), uploaded to `remote` with
+    `extra_files`. Returns the number of shards indexed."""
     from streaming.base.storage.upload import CloudUploader
     from streaming.base.util import merge_index
 
@@ -269,21 +273,23 @@ def merge_part_indexes(output: str, *, remote: str | None, part_names: list[str]
     out = Path(output)
     (out / "index.json").unlink(missing_ok=True)
     local = [str(out / name / "index.json") for name in part_names]
-    if remote:
-        urls = [(path, f"{remote.rstrip('/')}/{name}/index.json") for path, name in zip(local, part_names)]
-        merge_index(urls, (output, remote), keep_local=True)
-        uploader = CloudUploader.get((output, remote), exist_ok=True, keep_local=True)
-        for name in extra_files:
-            uploader.upload_file(name)
-    else:
-        merge_index(local, output, keep_local=True)
+    urls = [(path, f"{remote.rstrip('/')}/{name}/index.json") for path, name in zip(local, part_names)]
+    merge_index(urls, (output, remote), keep_local=True)
+    uploader = CloudUploader.get((output, remote), exist_ok=True, keep_local=True)
+    for name in extra_files:
+        uploader.upload_file(name)
     return len(json.loads((out / "index.json").read_text())["shards"])
 
 
 def _finish_index(ray, *, out: Path, cfg: BuildConfig, part_names: list[str]) -> None:
-    """Runs merge_part_indexes in a Ray worker on this node: the workers have already paid the
-    seconds it takes to import streaming, the driver has not."""
+    """The root index.json. Local output: merged here, without streaming. Remote output: by
+    merge_part_indexes in a Ray worker on this node, which has already paid the seconds it takes
+    to import streaming (for the uploader); the driver has not."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if not cfg.remote:
+        merge_local_indexes(str(out), part_names)
+        return
 
     extra = [MANIFEST, REJECTS] + sorted(str(p.relative_to(out)) for p in (out / "tokenizer").iterdir())
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)

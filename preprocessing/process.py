@@ -24,7 +24,8 @@ from typing import Iterator
 import numpy as np
 
 from preprocessing.inputs import Chunk
-from preprocessing.mds import COMPRESSION, HASHES, SIZE_LIMIT, columns_for, id_dtype_for, make_fast_writer_class
+from preprocessing.mds import (COMPRESSION, HASHES, SIZE_LIMIT, LocalMDSWriter, columns_for, id_dtype_for,
+                               make_fast_writer_class)
 from preprocessing.readers import ChunkReader
 from preprocessing.samples import Packer, TokenizedDocs, assemble_nsp, nsp_instances
 from preprocessing.text import clean_text, detect_language, split_sentences
@@ -91,12 +92,15 @@ def process_chunk(chunk: Chunk, *, spec: TaskSpec, tokenizer_json: str) -> dict:
     out = Path(spec.output)
     tmp = out / f".tmp-{chunk.name}-{uuid.uuid4().hex[:8]}"
     remote = f"{spec.remote.rstrip('/')}/{chunk.name}" if spec.remote else None
-    writer_cls = make_fast_writer_class()
     reader = ChunkReader(chunk, text_field=spec.text_field)
     state = _State()
-    with writer_cls(out=(str(tmp), remote) if remote else str(tmp), keep_local=True,
-                    columns=columns_for(fmt=spec.fmt, vocab_size=spec.vocab_size),
-                    compression=COMPRESSION, hashes=HASHES, size_limit=SIZE_LIMIT) as writer:
+    columns = columns_for(fmt=spec.fmt, vocab_size=spec.vocab_size)
+    if remote:  # streaming's own writer and uploader
+        writer = make_fast_writer_class()(out=(str(tmp), remote), keep_local=True, columns=columns,
+                                          compression=COMPRESSION, hashes=HASHES, size_limit=SIZE_LIMIT)
+    else:
+        writer = LocalMDSWriter(out=str(tmp), columns=columns)
+    with writer:
         packer = Packer(max_seq_len=spec.max_seq_len, cls_id=spec.cls_id, sep_id=spec.sep_id,
                         dtype=id_dtype_for(spec.vocab_size)) if spec.fmt == "packed" else None
         for block_index, block in enumerate(_blocks(reader, spec=spec, state=state)):

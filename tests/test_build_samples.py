@@ -1,10 +1,11 @@
 """NSP instances (BERT's algorithm), packed blocks, and the MDS sample encoder (pure functions)."""
+import json
 import random
 
 import numpy as np
 import pytest
 
-from preprocessing.mds import columns_for, make_fast_writer_class
+from preprocessing.mds import LocalMDSWriter, columns_for, make_fast_writer_class, merge_local_indexes
 from preprocessing.samples import Packer, TokenizedDocs, assemble_nsp, nsp_instances
 
 CLS, SEP = 2, 3
@@ -132,3 +133,57 @@ def test_fast_mds_encoder_matches_streaming(tmp_path):
             assert fast.encode_sample(sample) == stock.encode_sample(sample)
         with pytest.raises(ValueError, match="input_ids: expected a non-empty 1-D"):
             fast.encode_sample({**sample, "input_ids": np.zeros(0, dtype=dtype)})
+
+
+def _random_samples(rng, *, fmt: str, vocab: int, n: int) -> list[dict]:
+    dtype = np.uint16 if vocab <= 65536 else np.uint32
+    out = []
+    for i in range(n):
+        length = int(rng.integers(1, 300))
+        sample = {"input_ids": rng.integers(0, vocab, length).astype(dtype),
+                  "token_type_ids": rng.integers(0, 2, length).astype(np.uint8),
+                  "word_starts": rng.integers(0, 2, length).astype(np.uint8),
+                  "lang": "zh" if i % 3 else "en"}
+        if fmt == "nsp":
+            sample["nsp_label"] = int(i % 2)
+        out.append(sample)
+    return out
+
+
+@pytest.mark.parametrize("fmt,vocab", [("nsp", 30000), ("packed", 70000)])
+def test_local_writer_writes_streamings_files_byte_for_byte(tmp_path, fmt, vocab):
+    """LocalMDSWriter (no streaming import in the workers) must write exactly what
+    streaming.MDSWriter writes: every shard file and index.json, several shards included; and the
+    merged root index must equal streaming's merge_index, read back by StreamingDataset."""
+    from streaming import MDSWriter, StreamingDataset
+    from streaming.base.util import merge_index
+
+    rng = np.random.default_rng(1)
+    columns = columns_for(fmt=fmt, vocab_size=vocab)
+    parts = {"part-00000": _random_samples(rng, fmt=fmt, vocab=vocab, n=150),
+             "part-00001": _random_samples(rng, fmt=fmt, vocab=vocab, n=40)}
+    for root, make in (("ours", lambda d: LocalMDSWriter(out=d, columns=columns, size_limit=20_000)),
+                       ("stock", lambda d: MDSWriter(out=d, columns=columns, compression="zstd",
+                                                    hashes=["xxh64"], size_limit=20_000))):
+        for name, samples in parts.items():
+            with make(str(tmp_path / root / name)) as writer:
+                for sample in samples:
+                    writer.write(sample)
+    names = sorted(parts)
+    merge_local_indexes(str(tmp_path / "ours"), names)
+    merge_index([str(tmp_path / "stock" / n / "index.json") for n in names], str(tmp_path / "stock"),
+                keep_local=True)
+    files = sorted(p.relative_to(tmp_path / "stock") for p in (tmp_path / "stock").rglob("*") if p.is_file())
+    assert len([f for f in files if f.name.endswith(".zstd")]) > 3  # several shards per part
+    assert files == sorted(p.relative_to(tmp_path / "ours") for p in (tmp_path / "ours").rglob("*") if p.is_file())
+    for f in files:
+        if f.name == "index.json":
+            assert json.loads((tmp_path / "ours" / f).read_text()) == json.loads((tmp_path / "stock" / f).read_text()), f
+        else:
+            assert (tmp_path / "ours" / f).read_bytes() == (tmp_path / "stock" / f).read_bytes(), f
+    ds = StreamingDataset(local=str(tmp_path / "ours"), batch_size=1, shuffle=False)
+    expected = parts["part-00000"] + parts["part-00001"]
+    assert len(ds) == len(expected)
+    for i in (0, 77, 149, 150, 189):
+        got = ds[i]
+        assert np.array_equal(got["input_ids"], expected[i]["input_ids"]) and got["lang"] == expected[i]["lang"]
