@@ -68,13 +68,14 @@ def _env() -> dict:
     return env
 
 
-def prepare_corpus(lang: str, *, corpora: Path, work: Path, limit_bytes: int | None) -> Path:
-    """One BERT-format file per language (the corpus files concatenated, optionally cut at a
-    document boundary after limit_bytes)."""
+def prepare_corpus(lang: str, *, corpora: Path, work: Path, limit_bytes: int | None, repeat: int = 1) -> Path:
+    """One BERT-format file per language (the corpus files concatenated `repeat` times, which
+    stands in for a larger corpus so fixed start-up costs amortise; optionally cut at a document
+    boundary after limit_bytes)."""
     out = work / f"{lang}.txt"
     written = 0
     with open(out, "wb") as dst:
-        for name in CORPORA[lang]:
+        for name in CORPORA[lang] * repeat:
             with open(corpora / name, "rb") as src:
                 for line in src:
                     dst.write(line)
@@ -182,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", default="packed", choices=("packed", "nsp"))
     p.add_argument("--max_seq_len", type=int, default=128)
     p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="concatenate each language's corpus N times: a larger input, where Ray's and the "
+                        "workers' start-up seconds amortise as they do on real corpora")
     args = p.parse_args(argv)
     if not args.corpora.is_dir():
         print(f"benchmark.py: error: --corpora {args.corpora}: not a directory", file=sys.stderr)
@@ -190,9 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     limit = 2_000_000 if args.quick else None
     langs = args.langs.split(",")
-    files = {lang: prepare_corpus(lang, corpora=args.corpora, work=work, limit_bytes=limit) for lang in langs}
+    files = {lang: prepare_corpus(lang, corpora=args.corpora, work=work, limit_bytes=limit, repeat=args.repeat)
+             for lang in langs}
     tok_dir = args.tokenizer or train_tokenizer(list(files.values()), out=work / "tokenizer", sample_mb=2 if args.quick else 16)
-    report = {"quick": args.quick, "cpus": os.cpu_count(), "load_avg_at_start": os.getloadavg(),
+    report = {"quick": args.quick, "repeat": args.repeat, "cpus": os.cpu_count(), "load_avg_at_start": os.getloadavg(),
               "tokenizer": str(tok_dir), "format": args.format, "max_seq_len": args.max_seq_len, "langs": {}}
     for lang, path in files.items():
         r: dict = {"corpus_mb": round(path.stat().st_size / 1e6, 3)}
