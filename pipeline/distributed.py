@@ -23,16 +23,34 @@ import torch.distributed as dist
 # ---------------------------------------------------------------------------------------------------
 
 
-def _first_host(nodelist: str) -> str:
-    """The first host of a Slurm node list ("gpu[003-010,012],cpu1" -> "gpu003"), without scontrol."""
-    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
-    if m is None:
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list ("gpu[003-010,012]-ib,cpu1" -> "gpu003-ib"): scontrol's own
+    expansion where Slurm is installed, else a parser of the same syntax."""
+    import shutil
+    import subprocess
+
+    if shutil.which("scontrol"):
+        try:
+            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                                 timeout=10)
+            if out.returncode == 0 and out.stdout.split():
+                return out.stdout.split()[0]
+        except (OSError, subprocess.SubprocessError):
+            pass  # a login node without a reachable controller: parse it ourselves
+    m = re.match(r"([^,\[]*)(?:\[([^\]]+)\])?([^,\[]*)", nodelist.strip())
+    if m is None or not (m.group(1) or m.group(2)):
         raise ValueError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}")
-    prefix, _, ranges = m.groups()
+    prefix, ranges, suffix = m.groups()
     if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+        return prefix + suffix
+    return prefix + ranges.split(",")[0].split("-")[0] + suffix
+
+
+def master_port_for_job(job_id: str) -> int:
+    """The rendezvous port of a Slurm job: a function of its id, so two jobs sharing a node do not
+    collide and every node derives the same one. The Slurm scripts ask this function too
+    (slurm/common.sh): one formula."""
+    return 20000 + zlib.crc32(str(job_id).encode()) % 20000
 
 
 def env_from_slurm() -> bool:
@@ -50,17 +68,9 @@ def env_from_slurm() -> bool:
     env["WORLD_SIZE"] = env.get("SLURM_NTASKS", "1")
     tasks_per_node = env.get("SLURM_NTASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "1"))
     env.setdefault("LOCAL_WORLD_SIZE", re.match(r"\d+", tasks_per_node).group(0))
-    env.setdefault("MASTER_ADDR", _first_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")))
-    # A port derived from the job id, so two jobs sharing a node do not collide.
-    job = env.get("SLURM_JOB_ID", "0")
-    env.setdefault("MASTER_PORT", str(20000 + zlib.crc32(job.encode()) % 20000))
+    env.setdefault("MASTER_ADDR", first_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")))
+    env.setdefault("MASTER_PORT", str(master_port_for_job(env.get("SLURM_JOB_ID", "0"))))
     return True
-
-
-def launched_distributed() -> bool:
-    """True when a launcher (deepspeed, torchrun, srun) started several processes."""
-    env_from_slurm()
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def local_rank() -> int:
@@ -76,6 +86,10 @@ def hostname() -> str:
 # ---------------------------------------------------------------------------------------------------
 # Process group
 # ---------------------------------------------------------------------------------------------------
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def is_distributed(group: Optional[dist.ProcessGroup] = None) -> bool:
@@ -111,15 +125,6 @@ def init_process_group(*, backend: str, timeout_s: float = 600.0) -> None:
 def barrier() -> None:
     if is_distributed():
         dist.barrier()
-
-
-def any_rank(flag: bool) -> bool:
-    """True on every rank if `flag` is True on any rank (e.g. a pre-emption signal seen by one)."""
-    if not is_distributed():
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=_collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
 
 
 def _collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
@@ -229,6 +234,12 @@ def mean_over_ranks(x: torch.Tensor, *, group: Optional[dist.ProcessGroup] = Non
 # ---------------------------------------------------------------------------------------------------
 
 
+def launch_rank() -> int:
+    """RANK as the launcher set it (0 without one), readable before the process group exists."""
+    env_from_slurm()
+    return int(os.environ.get("RANK", "0"))
+
+
 def launch_world_size() -> int:
     """WORLD_SIZE as the launcher set it (1 without one), readable before the process group exists,
     so that configuration errors surface before any collective or device work."""
@@ -269,17 +280,30 @@ def all_gather_object(obj: object) -> list:
     return out
 
 
-def node_on_host() -> tuple[int, int, int]:
-    """(node, index of this node among the nodes on this host, number of nodes on this host).
+def node_index() -> int:
+    """This process's node: rank // LOCAL_WORLD_SIZE (ranks are numbered node by node)."""
+    return rank() // local_world_size()
 
-    node = rank // LOCAL_WORLD_SIZE. Several "nodes" share a host when a test or a Slurm set-up with
-    fake nodes starts two launchers on one machine; host-wide resources (shared memory names) must
-    then be told apart per node.
-    """
-    node = rank() // local_world_size()
-    pairs = all_gather_object((hostname(), node))
-    nodes_here = sorted({n for h, n in pairs if h == hostname()})
-    return node, nodes_here.index(node), len(nodes_here)
+
+def num_nodes() -> int:
+    return world_size() // local_world_size()
+
+
+def nodes_by_host() -> dict[str, set[int]]:
+    """Host name -> the nodes that run on it (a collective). Several "nodes" share a host when a test
+    or a Slurm set-up with fake nodes starts two launchers on one machine; host-wide resources
+    (shared-memory names) must then be told apart per node."""
+    hosts: dict[str, set[int]] = {}
+    for host, node in all_gather_object((hostname(), node_index())):
+        hosts.setdefault(host, set()).add(node)
+    return hosts
+
+
+def node_on_host() -> tuple[int, int, int]:
+    """(node, index of this node among the nodes on this host, number of nodes on this host); a
+    collective."""
+    node, here = node_index(), sorted(nodes_by_host()[hostname()])
+    return node, here.index(node), len(here)
 
 
 def any_rank_flags(flags: Sequence[bool]) -> list[bool]:

@@ -1,32 +1,32 @@
-"""Entry point: `deepspeed|torchrun|srun python pipeline/train.py --ds_config ... --objective ...`.
+"""Pre-train a BERT student: `deepspeed|torchrun|srun python pipeline/train.py --ds_config ... --objective ...`.
 
-Exit codes: 0 done (or pre-empted after saving), 2 bad input (the message names the flag, file or
-value), 1 anything else.
+Exit codes: 0 done (or pre-empted after saving); 2 a user error (one line naming the flag, file or
+value and the fix); 1 anything else: a bug, with its traceback on the rank where it happened (the
+other ranks then fail within --dist_timeout_s). The logic is in pipeline/training/.
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make `pipeline` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a script: import the repository's packages, not this folder's modules
+    _HERE = Path(__file__).resolve().parent
+    sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-from pipeline.config import parse_args  # noqa: E402
+from pipeline import cli  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline import trainer
+    def run() -> int:
+        from pipeline.training import config, preflight, trainer
 
-    try:
-        prepared = trainer.prepare(parse_args(argv))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    try:
-        return trainer.train(prepared)
-    except ValueError as e:  # found once running (a corrupted sample, a changed teacher, ...)
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+        cfg = config.parse_args(argv)
+        if cfg.print_config:
+            print(config.describe_json(cfg))
+            return 0
+        return trainer.train(preflight.prepare(cfg))
+
+    return cli.run(run, prog="train.py")
 
 
 if __name__ == "__main__":

@@ -33,9 +33,9 @@
 #   MODEL_CONFIG     tiny | base | large | path/to/bert_config.json [base]
 #   INIT_FROM        continue from a pre-trained Hugging Face BERT folder instead []
 #   TOKENIZER        tokenizer folder [DATA/tokenizer]
-#   SAVE_EVERY       checkpoint every N steps [1000]
-#   SEED             [0]
-#   DIST_TIMEOUT_S   a collective waits at most this long for a dead or hung rank [600]
+#   SAVE_EVERY       checkpoint every N steps [the trainer's default]
+#   SEED             [the trainer's default]
+#   DIST_TIMEOUT_S   a collective waits at most this long for a dead or hung rank [the trainer's default]
 #   EXPORT_DIR       write the final student as a Hugging Face folder []
 #   EXTRA_ARGS       more pipeline/train.py flags, split on spaces []
 #   PYTHON           the interpreter the ranks run [python]
@@ -70,7 +70,7 @@ DEFAULT_CPUS_PER_TASK=8
 : "${CPU_MODE:=0}" "${DRY_RUN:=0}"
 : "${OBJECTIVE:=taco}"
 : "${DATA:=data/shards}" "${SAVE_DIR:=runs/taco-64gpu}"
-: "${MAX_STEPS:=500000}" "${SAVE_EVERY:=1000}" "${SEED:=0}" "${DIST_TIMEOUT_S:=600}"
+: "${MAX_STEPS:=500000}"
 : "${DS_CONFIG:=$REPO/deepspeed_configs/zero2.json}" "${MODEL_CONFIG:=base}"
 : "${PYTHON:=python}" "${LOCAL_DISK:=${SLURM_TMPDIR:-/tmp}}" "${MAX_REQUEUES:=50}"
 

@@ -11,6 +11,24 @@
 # Needs from the caller: SCRIPT (its own path), DEFAULT_NODES, DEFAULT_GPUS_PER_NODE, and the
 # knob defaults (see the top of taco_64gpu.sh). Needs common.sh sourced.
 
+# The rendezvous port of a job: pipeline.distributed owns the formula (a bare `srun python
+# pipeline/train.py` derives the same one).
+job_master_port() {  # JOB_ID
+    PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c \
+        'import sys; from pipeline.distributed import master_port_for_job; print(master_port_for_job(sys.argv[1]))' "$1"
+}
+
+# What the trainer makes of TRAIN_CMD: every knob with its resolved value (its defaults included).
+print_resolved_config() {
+    local resolved
+    if ! resolved=$("${TRAIN_CMD[@]}" --print_config 2>&1); then
+        printf '%s\n' "$resolved" >&2
+        die "the trainer refuses these settings (above)"
+    fi
+    say "resolved configuration (pipeline/train.py --print_config):"
+    printf '%s\n' "$resolved"
+}
+
 # The trainer's arguments, from the knobs. Sets TRAIN_CMD.
 build_train_cmd() {
     local d
@@ -24,8 +42,12 @@ build_train_cmd() {
         TRAIN_CMD+=(--model_config "$MODEL_CONFIG")
     fi
     [[ -n "${TOKENIZER:-}" ]] && TRAIN_CMD+=(--tokenizer "$TOKENIZER")
-    TRAIN_CMD+=(--max_steps "$MAX_STEPS" --save_dir "$SAVE_DIR" --resume auto --save_every "$SAVE_EVERY"
-                --seed "$SEED" --dist_timeout_s "$DIST_TIMEOUT_S")
+    TRAIN_CMD+=(--max_steps "$MAX_STEPS" --save_dir "$SAVE_DIR" --resume auto)
+    # Knobs the trainer has defaults for travel only when the user set them: the defaults live in
+    # pipeline/training/config.py alone (a dry run prints the resolved values).
+    [[ -n "${SAVE_EVERY:-}" ]] && TRAIN_CMD+=(--save_every "$SAVE_EVERY")
+    [[ -n "${SEED:-}" ]] && TRAIN_CMD+=(--seed "$SEED")
+    [[ -n "${DIST_TIMEOUT_S:-}" ]] && TRAIN_CMD+=(--dist_timeout_s "$DIST_TIMEOUT_S")
     [[ -n "${EXPORT_DIR:-}" ]] && TRAIN_CMD+=(--export_dir "$EXPORT_DIR")
     # EXTRA_ARGS is split on white space: flags without spaces in their values.
     local extra
@@ -35,9 +57,11 @@ build_train_cmd() {
 
 check_knobs() {
     require_int MAX_STEPS "$MAX_STEPS" 1
-    require_int SAVE_EVERY "$SAVE_EVERY" 1
+    [[ -z "${SAVE_EVERY:-}" ]] || require_int SAVE_EVERY "$SAVE_EVERY" 1
+    [[ -z "${SEED:-}" ]] || require_int SEED "$SEED" 0
     require_int MAX_REQUEUES "$MAX_REQUEUES" 0
-    [[ "$DIST_TIMEOUT_S" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "DIST_TIMEOUT_S=$DIST_TIMEOUT_S is not a number of seconds"
+    [[ -z "${DIST_TIMEOUT_S:-}" || "$DIST_TIMEOUT_S" =~ ^[0-9]+([.][0-9]+)?$ ]] ||
+        die "DIST_TIMEOUT_S=$DIST_TIMEOUT_S is not a number of seconds"
     [[ -n "$DATA" ]] || die "DATA is empty: set DATA to a shard folder (or several, comma-separated)"
     [[ -n "$SAVE_DIR" ]] || die "SAVE_DIR is empty: set it to a folder on shared storage"
     if [[ -n "${REQUIRE_INIT_FROM:-}" && -z "${INIT_FROM:-}" ]]; then
@@ -97,7 +121,7 @@ dry_run() {  # NODELIST TASKS_PER_NODE CPUS_PER_TASK JOB_ID
     local world=$(( ${#nodes[@]} * tpn ))
     local master_addr master_port
     master_addr=$(node_addr "${nodes[0]}")
-    master_port=$(port_from_job "$job" 20000 20000)
+    master_port=$(job_master_port "$job")
     say "dry run: nothing is started"
     say "allocation: ${#nodes[@]} node(s) ($nodelist) x $tpn task(s), $cpt CPU(s) per task; job id $job"
     say "$(describe_batch "$world")"
@@ -107,6 +131,7 @@ dry_run() {  # NODELIST TASKS_PER_NODE CPUS_PER_TASK JOB_ID
     build_train_cmd
     print_cmd srun --kill-on-bad-exit=1 --nodes="${#nodes[@]}" --ntasks="$world" --ntasks-per-node="$tpn" \
         --cpus-per-task="$cpt" bash "$REPO/slurm/task_env.sh" "${TRAIN_CMD[@]}"
+    print_resolved_config
     for n in "${nodes[@]}"; do
         say "node $n: RANK $((i * tpn))..$((i * tpn + tpn - 1)), LOCAL_RANK 0..$((tpn - 1))"
         i=$((i + 1))
@@ -136,7 +161,7 @@ run_in_allocation() {
     world=$(( nnodes * tpn ))
     export_run_env "$cpt"
     MASTER_ADDR=$(node_addr "${nodes[0]}")
-    MASTER_PORT=$(port_from_job "$SLURM_JOB_ID" 20000 20000)
+    MASTER_PORT=$(job_master_port "$SLURM_JOB_ID")
     export MASTER_ADDR MASTER_PORT
     export JOB_SCRATCH="$LOCAL_DISK/tokencl-$SLURM_JOB_ID"
 

@@ -1,0 +1,210 @@
+"""The streaming loader: a StreamingDataset that adds each sample's id and checks it on read, and the
+StreamingDataLoader around it, with per-node shared-memory prefixes and per-attempt caches.
+
+`build_loader` runs after the process group exists, as mosaicml-streaming requires.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import shutil
+import signal
+import tempfile
+import weakref
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from pipeline import distributed
+from pipeline.data.collator import MaskingCollator
+from pipeline.data.shards import DataInfo, ShardError
+
+
+def _streaming_dataset_class():
+    from streaming import StreamingDataset
+
+    class IdStreamingDataset(StreamingDataset):
+        """A StreamingDataset whose samples carry their global `sample_id` and the `epoch`, and are
+        checked on read: a sample that does not decode, or holds ids outside the vocabulary, raises
+        ShardError naming its shard."""
+
+        def __init__(self, *, vocab_size: int, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.vocab_size = vocab_size
+            self._epoch = 0
+
+        def _resume_incr_epoch(self) -> tuple[int, int]:
+            # The epoch is decided here (on each worker) at the start of __iter__; the collator
+            # keys each sample's masking on it so that masking changes from epoch to epoch.
+            epoch, sample_in_epoch = super()._resume_incr_epoch()
+            self._epoch = epoch
+            return epoch, sample_in_epoch
+
+        def _shard_name(self, sample_id: int) -> str:
+            shard_id, _ = self.spanner[sample_id]
+            stream = self.streams[self.stream_per_shard[shard_id]]
+            return os.path.join(stream.remote or stream.local, self.shards[shard_id].raw_data.basename)
+
+        def get_item(self, sample_id: int, retry: int = 7) -> dict[str, Any]:
+            try:
+                sample = super().get_item(sample_id, retry)
+            except Exception as e:
+                raise ShardError(f"corrupted shard {self._shard_name(sample_id)}: sample {sample_id} does not "
+                                 f"decode ({type(e).__name__}: {e}); rebuild the shards") from e
+            ids = sample.get("input_ids")
+            bad = None
+            if ids is None or len(ids) < 2:
+                bad = "input_ids missing or shorter than 2 tokens"
+            elif len(sample.get("token_type_ids", ())) != len(ids) or len(sample.get("word_starts", ())) != len(ids):
+                bad = "input_ids, token_type_ids and word_starts differ in length"
+            elif int(ids.max()) >= self.vocab_size:
+                bad = f"token id {int(ids.max())} >= the vocabulary size {self.vocab_size} (another tokenizer?)"
+            if bad:
+                raise ShardError(f"corrupted shard {self._shard_name(sample_id)}: sample {sample_id}: {bad}")
+            sample["sample_id"] = sample_id
+            sample["epoch"] = self._epoch
+            return sample
+
+    return IdStreamingDataset
+
+
+def _worker_init(_: int) -> None:
+    # Slurm's pre-emption signal reaches every process of the step, and the deepspeed launcher
+    # terminates the whole tree: a worker that died of it would crash its rank before the rank
+    # could save. The rank owns the decision; workers stop when it shuts the loader down.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _separate_colocated_nodes(key: str) -> Optional[list[Path]]:
+    """Give each node its own streaming shared-memory prefix when several nodes share one host.
+
+    streaming picks a prefix on every rank before its local leader registers it, so two local
+    leaders on one host (a test or a fake-node Slurm set-up) pick the same one and collide. Here
+    nodes take turns (world barriers, which every rank passes) choosing a free prefix; each node
+    gets a private temp folder, and a choice is hidden from the other nodes' searches by a marker
+    file (streaming skips prefixes whose file lock exists) in their folders. Returns the markers
+    written into this node's folder, to be removed once the dataset exists; None when no host
+    holds two nodes.
+    """
+    from streaming.base.constant import BARRIER_FILELOCK, SHM_TO_CLEAN
+
+    node = distributed.node_index()
+    hosts = distributed.nodes_by_host()
+    if all(len(nodes) == 1 for nodes in hosts.values()):
+        return None
+    base = Path(tempfile.gettempdir())
+    mine = sorted(hosts[distributed.hostname()])
+
+    def folder(n: int) -> Path:
+        return base / f"tokencl-{key}-node{n}"
+
+    leader = distributed.local_rank() == 0
+    if leader:
+        folder(node).mkdir(parents=True, exist_ok=True)
+        # Lock files left by an earlier run of this job would read as markers below.
+        for stale in folder(node).glob("*_filelock"):
+            stale.unlink(missing_ok=True)
+    distributed.barrier()
+    for turn in range(distributed.num_nodes()):
+        if turn == node and leader and len(mine) > 1:
+            prefix = 0
+            while (any(Path(f"/dev/shm/{prefix:06}_{name}").exists() for name in SHM_TO_CLEAN)
+                   or (folder(node) / f"{prefix:06}_{BARRIER_FILELOCK}").exists()):
+                prefix += 1
+            for other in mine:
+                if other != node:
+                    (folder(other) / f"{prefix:06}_{BARRIER_FILELOCK}").touch()
+        distributed.barrier()
+    tempfile.tempdir = str(folder(node))
+    os.environ["TMPDIR"] = tempfile.tempdir
+    return [p for p in folder(node).glob(f"*_{BARRIER_FILELOCK}")]
+
+
+def _attempt_caches(info: DataInfo) -> list[str]:
+    """Where streaming caches each source: a local folder is read in place; a remote one goes to
+    CACHE/node{n}-{attempt}/stream..., private to this node and to this run of the job.
+
+    streaming refuses a cache folder that another live dataset registered with a remote, and a
+    job killed hard leaves its registration behind in shared memory: a requeued job on the same
+    node would then be refused its own folder. A fresh folder per attempt (rank 0's token, the same
+    on every rank) avoids that; the node's local leader removes the folders of earlier attempts.
+    """
+    if all(s.remote is None for s in info.sources):
+        return [s.local for s in info.sources]
+    node = distributed.node_index()
+    token = distributed.all_gather_object(secrets.token_hex(4))[0]
+    out = []
+    for s in info.sources:
+        if s.remote is None:
+            out.append(s.local)
+            continue
+        root = Path(s.local).parent
+        out.append(str(root / f"node{node}-{token}" / Path(s.local).name))
+        if distributed.local_rank() == 0:
+            for old in root.glob(f"node{node}-*"):
+                if old.name != f"node{node}-{token}":
+                    shutil.rmtree(old, ignore_errors=True)
+    distributed.barrier()
+    return out
+
+
+def build_loader(
+    info: DataInfo,
+    *,
+    weights: Optional[Sequence[float]],
+    micro_batch: int,
+    collator: MaskingCollator,
+    vocab_size: int,
+    seed: int,
+    num_workers: int,
+    num_canonical_nodes: Optional[int],
+    run_id: str,
+    pin_memory: bool,
+    timeout_s: float = 0,
+):
+    """The StreamingDataLoader over every source (call after the process group exists).
+
+    Every rank passes the same seed and the per-rank micro-batch; streaming then gives each rank
+    the same number of samples per epoch, so the ranks stay in lockstep. `timeout_s` (with workers)
+    bounds the wait for a batch: at an epoch's start streaming's workers meet at a node-wide barrier
+    without a timeout of its own, where a hung rank would otherwise hang the others for good.
+    """
+    from streaming import Stream, StreamingDataLoader
+
+    distributed.normalize_launch_env()
+    markers = _separate_colocated_nodes(run_id)
+    locals_ = _attempt_caches(info)
+    total = sum(weights) if weights else None
+    streams = [
+        Stream(remote=s.remote, local=local, proportion=(w / total) if weights else None)
+        for s, local, w in zip(info.sources, locals_, weights or [None] * len(info.sources))
+    ]
+    dataset = _streaming_dataset_class()(
+        streams=streams, vocab_size=vocab_size, batch_size=micro_batch, shuffle=True, shuffle_seed=seed,
+        num_canonical_nodes=num_canonical_nodes,
+    )
+    for m in markers or []:
+        # Only the prefix search needed them; streaming's own lock files are not among them.
+        m.unlink(missing_ok=True)
+    loader = StreamingDataLoader(
+        dataset, batch_size=micro_batch, collate_fn=collator, num_workers=num_workers,
+        worker_init_fn=_worker_init if num_workers else None, pin_memory=pin_memory,
+        persistent_workers=num_workers > 0, drop_last=False, timeout=timeout_s if num_workers else 0,
+    )
+    # Workers ignore SIGTERM (see _worker_init), so multiprocessing's exit hook, which terminates and
+    # then joins them, would wait forever: stop them first (atexit runs the later hook first).
+    atexit.register(shutdown_loader, weakref.ref(loader))
+    return loader
+
+
+def shutdown_loader(loader: Any) -> None:
+    """Stop a loader's worker processes now (also accepts a weak reference)."""
+    if isinstance(loader, weakref.ref):
+        loader = loader()
+    it = getattr(loader, "_iterator", None)
+    if it is not None:
+        it._shutdown_workers()  # what StreamingDataLoader.__del__ calls
+        loader._iterator = None
+

@@ -1,0 +1,103 @@
+"""TaCL (Su et al., NAACL 2022): each masked student position must pick its own teacher vector.
+
+The formula is in docs/objectives.md; how the loss is shared across ranks, in pipeline.losses.common.
+
+Legend: B sequences, L positions, D hidden size, N anchors (this rank), P pool rows (all ranks);
+`_flat` = index into this rank's B*L positions.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from pipeline.losses.common import Metrics, check_mask, check_pair, fp32_only, positive_on_top, share_across_ranks
+from pipeline.losses.sampling import draw_pool, draw_seed, gather_layout, gather_pool, layout_bytes
+
+_TACL_NEGATIVES = ("sequence", "global")
+
+
+def tacl_loss(
+    student_BLD: torch.Tensor,
+    *,
+    teacher_BLD: torch.Tensor,
+    masked_BL: torch.Tensor,
+    attention_mask_BL: torch.Tensor,
+    temperature: float = 0.01,
+    negatives: str = "sequence",
+    num_pool: int = 0,
+    group: Optional[dist.ProcessGroup] = None,
+    generator: Optional[torch.Generator] = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """TaCL: each masked position i of the student must pick its own teacher vector t_i.
+
+    l_i = -log( exp(cos(s_i, t_i)/tau) / sum_j exp(cos(s_i, t_j)/tau) ), mean over masked positions.
+    `negatives="sequence"` (paper): j runs over the *real* tokens of i's sequence (upstream also sums
+    over [PAD]). `negatives="global"`: j also runs over a pool of `num_pool` teacher vectors drawn
+    from the real tokens of all ranks in `group` (a stratified sample, see loss_sampling), minus the
+    pool rows of i's own sequence (they are already among the sequence terms; so the pool never holds
+    i's own position). Cosines and logits are fp32 even for bf16 inputs: at tau = 0.01 bf16 logits
+    would be off by ~1. The teacher never gets a gradient.
+
+    In: student_BLD, teacher_BLD [B, L, D]; masked_BL bool [B, L] (a subset of the real tokens);
+    attention_mask_BL [B, L], nonzero for real tokens. `generator` (optional) drives the pool draw
+    (torch's default generator otherwise; rank 0's draw is used on all ranks).
+    Out: (loss, metrics) with "loss", "acc", "num_anchors", "num_skipped" (always 0 here),
+    "gathered_bytes" (bytes this rank received in this call).
+    """
+    with fp32_only(student_BLD):
+        return _tacl_loss(student_BLD, teacher_BLD=teacher_BLD, masked_BL=masked_BL,
+                          attention_mask_BL=attention_mask_BL, temperature=temperature, negatives=negatives,
+                          num_pool=num_pool, group=group, generator=generator)
+
+
+def _tacl_loss(student_BLD, *, teacher_BLD, masked_BL, attention_mask_BL, temperature, negatives, num_pool, group,
+               generator):
+    check_pair("tacl_loss", student_BLD, "teacher_BLD", teacher_BLD, attention_mask_BL)
+    check_mask("tacl_loss", "masked_BL", masked_BL, attention_mask_BL)
+    if temperature <= 0:
+        raise ValueError(f"tacl_loss: temperature must be > 0, got {temperature}")
+    if negatives not in _TACL_NEGATIVES:
+        raise ValueError(f"tacl_loss: negatives must be one of {_TACL_NEGATIVES}, got {negatives!r}")
+    if negatives == "global" and num_pool < 1:
+        raise ValueError(f"tacl_loss: negatives='global' needs num_pool >= 1, got {num_pool}")
+    if negatives == "sequence" and num_pool != 0:
+        raise ValueError(f"tacl_loss: num_pool={num_pool} only applies to negatives='global'; pass 0")
+    real_BL = attention_mask_BL != 0
+    padded_masks = int((masked_BL & ~real_BL).sum())
+    if padded_masks:
+        raise ValueError(f"tacl_loss: masked_BL marks {padded_masks} padding position(s) (attention_mask 0)")
+    B, L, D = student_BLD.shape
+    anchor_flat_N = masked_BL.reshape(-1).nonzero().squeeze(1)
+    b_N, l_N = anchor_flat_N // L, anchor_flat_N % L
+    seed = draw_seed(generator) if negatives == "global" else 0
+    layout = gather_layout(sequences=B, tokens=int(real_BL.sum()), anchors=len(anchor_flat_N),
+                           seed=seed, group=group)
+    gathered = layout_bytes(layout.world_size)
+
+    s_BLD = F.normalize(student_BLD.float(), dim=-1)
+    t_BLD = F.normalize(teacher_BLD.detach().float(), dim=-1)
+    # [B, L, L] is small (8 MB at B=32, L=256) and one batched GEMM; rows of non-anchors are dropped.
+    scores_BLL = torch.bmm(s_BLD, t_BLD.transpose(1, 2))
+    logits_NL = scores_BLL.reshape(B * L, L)[anchor_flat_N] / temperature
+    logit_parts = [logits_NL.masked_fill(~real_BL[b_N], -math.inf)]
+    if negatives == "global":
+        draw = draw_pool(real_BL=real_BL, layout=layout, pool_size=num_pool)
+        pool = gather_pool(teacher_BLD.detach().reshape(B * L, D)[draw.flat_n], draw=draw, group=group,
+                           autograd=False)
+        gathered += pool.gathered_bytes
+        pool_PD = F.normalize(pool.vectors_PD.float(), dim=-1)
+        s_ND = s_BLD.reshape(B * L, D)[anchor_flat_N]
+        logits_NP = s_ND @ pool_PD.T / temperature
+        own_NP = pool.sequence_P[None, :] == (b_N + layout.sequence_offset)[:, None]
+        logit_parts.append(logits_NP.masked_fill(own_NP, -math.inf))
+    logits_NC = torch.cat(logit_parts, dim=1)
+    loss_N = F.cross_entropy(logits_NC, l_N, reduction="none")
+    correct_N = positive_on_top(logits_NC.detach(), l_N)
+    valid_N = torch.ones_like(correct_N)
+    return share_across_ranks(loss_N, correct_N=correct_N, valid_N=valid_N, skipped=0,
+                               world_size=layout.world_size, gathered_bytes=gathered, group=group)
+

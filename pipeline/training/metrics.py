@@ -1,0 +1,180 @@
+"""Training metrics: the FLOPs model and MFU, the device peak table, the interval meter, and the
+rank-0 writers (JSONL, TensorBoard, tqdm).
+
+FLOPs per micro-batch (docs/objectives.md's per-token formula, summed over the batch's real tokens):
+    6 * N_layers * T + 12 * n_layers * D * sum_i(L_i^2) + 6 * (D * V + N_head) * M
+T real (non-pad) tokens, L_i the real length of sequence i, M masked positions (the MLM head runs
+only there), N_layers the encoder-layer parameters, N_head the head's transform. TaCL adds the
+teacher's forward, a third of the encoder's training cost: 2 * N_layers * T + 4 * n_layers * D *
+sum_i(L_i^2). The losses themselves are negligible. MFU = FLOPs / s / (peak per device * devices).
+"""
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from pipeline import distributed
+
+# Dense bf16/fp16 tensor-core peaks (FLOP/s), by a substring of torch.cuda.get_device_name().
+# The first match wins, so more specific names come first.
+PEAK_FLOPS_16BIT: list[tuple[str, float]] = [
+    ("GH200", 989e12), ("H200", 989e12), ("H100", 989e12), ("H800", 989e12),
+    ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12),
+    ("A6000", 155e12), ("A10G", 125e12), ("A10", 125e12), ("L4", 121e12), ("4090", 165e12),
+    ("3090", 71e12), ("V100", 125e12), ("T4", 65e12),
+]
+
+
+def device_peak_flops(device: torch.device, *, dtype: torch.dtype, override_tflops: Optional[float] = None) -> Optional[float]:
+    """Peak FLOP/s of one device for `dtype`, or None where we do not know it (CPU, fp32, an
+    unlisted GPU): MFU is then reported as null rather than guessed."""
+    if override_tflops is not None:
+        return override_tflops * 1e12
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peak in PEAK_FLOPS_16BIT:
+        if key in name:
+            return peak
+    return None
+
+
+@dataclass(frozen=True)
+class FlopsModel:
+    """The per-batch FLOPs formula above, for one model shape and objective."""
+
+    layer_params: int
+    head_params: int
+    n_layers: int
+    hidden: int
+    vocab: int
+    teacher: bool
+
+    def batch_flops(self, *, tokens: int, sum_len_sq: int, masked: int) -> float:
+        attn = 12 * self.n_layers * self.hidden * sum_len_sq
+        f = 6 * self.layer_params * tokens + attn + 6 * (self.hidden * self.vocab + self.head_params) * masked
+        if self.teacher:
+            f += 2 * self.layer_params * tokens + attn / 3
+        return float(f)
+
+
+def memory_gb(device: torch.device) -> tuple[float, str]:
+    """(peak memory in GiB, what it measures): the CUDA caching allocator's peak on a GPU, the
+    process's peak resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30, "cuda_max_allocated"
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss_kb / 2**20, "cpu_max_rss"
+
+
+class Meter:
+    """Sums over the micro-batches of a logging interval; `reduce` averages the losses and sums the
+    counts over ranks (one collective, called by every rank on the same steps)."""
+
+    COUNTS = ("tokens", "samples", "flops")
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.micro = 0
+        self.steps = 0
+        self.t0 = time.perf_counter()
+        self.excluded = 0.0  # seconds spent on other things (checkpoints) inside the interval
+
+    def exclude(self, seconds: float) -> None:
+        self.excluded += seconds
+
+    def add(self, values: dict[str, torch.Tensor], *, tokens: int, samples: int, flops: float) -> None:
+        for k, v in values.items():
+            self.sums[k] = self.sums.get(k, 0.0) + float(v)
+        for k, v in (("tokens", tokens), ("samples", samples), ("flops", flops)):
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        self.micro += 1
+
+    def reduce(self, keys: list[str]) -> tuple[dict[str, float], float, int]:
+        """(means of losses / sums of counts over ranks, seconds, steps) since the last reduce."""
+        elapsed, steps = max(time.perf_counter() - self.t0 - self.excluded, 1e-9), self.steps
+        local = torch.tensor([self.sums.get(k, 0.0) for k in keys] + [float(self.micro)], dtype=torch.float64)
+        summed = distributed.sum_over_ranks(local).tolist()
+        micro_all = max(summed[-1], 1.0)
+        out = {k: (v if k in self.COUNTS else v / micro_all) for k, v in zip(keys, summed)}
+        self.sums, self.micro, self.steps, self.t0, self.excluded = {}, 0, 0, time.perf_counter(), 0.0
+        return out, elapsed, steps
+
+
+def _truncate_jsonl(path: Path, *, last_step: int) -> None:
+    """Keep the lines of steps <= last_step: a resumed run rewrites what came after its checkpoint."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= last_step:
+                kept.append(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by the crash that caused the resume
+    path.write_text("".join(k + "\n" for k in kept))
+
+
+class MetricsWriter:
+    """RUN/metrics.jsonl and RUN/tensorboard/ (rank 0 only; other ranks get a writer that does
+    nothing). On resume, lines after the resumed step are dropped so every step appears once."""
+
+    def __init__(self, save_dir: Path, *, enabled: bool, resume_step: int, trace: bool) -> None:
+        self.enabled = enabled
+        self.path = save_dir / "metrics.jsonl"
+        self.trace_path = save_dir / "sample_trace.jsonl" if trace else None
+        self._tb = None
+        self._f = self._trace = None
+        if not enabled:
+            return
+        save_dir.mkdir(parents=True, exist_ok=True)
+        _truncate_jsonl(self.path, last_step=resume_step)
+        self._f = open(self.path, "a", buffering=1)
+        if self.trace_path is not None:
+            _truncate_jsonl(self.trace_path, last_step=resume_step)
+            self._trace = open(self.trace_path, "a", buffering=1)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(save_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+        except ImportError:  # tensorboard is a dependency; a broken install should not stop training
+            from pipeline.training import log
+
+            log.warning("tensorboard unavailable: metrics go to metrics.jsonl only")
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            step = record["step"]
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(f"train/{k}", v, step)
+
+    def trace(self, step: int, sample_ids: list[list[int]]) -> None:
+        if self.enabled and self._trace is not None:
+            self._trace.write(json.dumps({"step": step, "sample_ids": sample_ids}) + "\n")
+
+    def close(self) -> None:
+        for f in (self._f, self._trace):
+            if f is not None:
+                f.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def progress_bar(*, enabled: bool, total: int, initial: int):
+    """A tqdm bar on rank 0 (None elsewhere)."""
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)

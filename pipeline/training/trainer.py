@@ -1,0 +1,367 @@
+"""The training run: the DeepSpeed engine around the student, the TaCL teacher beside it, the
+streaming loader, the loop, checkpoints, metrics and pre-emption.
+
+`train(prepare(cfg))` (pipeline.training.preflight checks everything first). The loop calls engine.backward
+and engine.step on every micro-batch; one optimizer step = gradient_accumulation_steps of them.
+
+Determinism: every random draw is a function of (seed, step, micro-batch, rank, sample id): masking
+per (seed, epoch, sample id) in the collator; dropout and the losses' draws re-seeded before every
+micro-batch. With the data loader's state in the checkpoint, a resumed run sees the same samples
+and computes the same losses as the uninterrupted one (the RNG states are saved too, for anything
+else that draws).
+
+Lockstep: every rank takes the same decisions together (one small all-reduce per micro-batch):
+skip a non-finite micro-batch, stop at a pre-emption signal.
+
+Legend: B sequences per micro-batch, L positions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from pipeline import distributed
+from pipeline.data.collator import MaskingCollator
+from pipeline.data.loader import build_loader, shutdown_loader
+from pipeline.data.masking import MaskingSpec
+from pipeline.data.shards import run_key
+from pipeline.training import checkpoint, log, state
+from pipeline.training.config import RECORD_KEYS
+from pipeline.training.metrics import FlopsModel, Meter, MetricsWriter, device_peak_flops, memory_gb, progress_bar
+from pipeline.training.objectives import StepLosses, compute_losses, metric_keys
+from pipeline.training.preflight import Prepared
+
+
+def mixed_seed(*parts: int) -> int:
+    """A 63-bit seed that is a pure function of the parts (seed, step, micro-batch, rank, ...)."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1, np.uint64)[0] >> 1)
+
+
+class PreemptionFlag:
+    """Records SIGUSR1 / SIGTERM; the loop acts on it at the next step boundary, on every rank."""
+
+    def __init__(self) -> None:
+        self.usr1 = False
+        self.term = False
+
+    def install(self) -> None:
+        signal.signal(signal.SIGUSR1, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def ignore_further(self) -> None:
+        """Copies of a pre-emption signal reach Slurm's nodes seconds apart: a late one must not kill
+        a rank that has already saved and is exiting (Python restores SIG_DFL at exit; SIG_IGN stays)."""
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        if signum == signal.SIGUSR1:
+            self.usr1 = True
+        else:
+            self.term = True
+
+
+def build_student(prep: Prepared):
+    """The student (from scratch with the run's seed, or --init_from) and the lines to report."""
+    from transformers import BertForPreTraining
+
+    from pipeline.modeling.student import Student, load_pretrained
+
+    torch.manual_seed(prep.cfg.run.seed)
+    if prep.cfg.model.init_from:
+        net, report = load_pretrained(prep.cfg.model.init_from)
+        lines = report.lines()
+    else:
+        net = BertForPreTraining(prep.bert_config)
+        lines = [f"model {prep.cfg.model.model_config}: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M parameters"]
+    return Student(net, full_head=prep.cfg.model.mlm_head == "full"), lines
+
+
+def engine_dtype(engine: Any) -> torch.dtype:
+    if engine.bfloat16_enabled():
+        return torch.bfloat16
+    if engine.fp16_enabled():
+        return torch.float16
+    return torch.float32
+
+
+@dataclass
+class Run:
+    """Everything the loop works with."""
+
+    prep: Prepared
+    engine: Any
+    teacher: Optional[torch.nn.Module]
+    teacher_print: Optional[str]
+    loader: Any
+    dtype: torch.dtype
+    device: torch.device
+    micro: int
+    accum: int
+    resolved: dict[str, Any]
+    flops: FlopsModel
+    peak: Optional[float]
+    step: int = 0
+    skipped: int = 0  # non-finite micro-batches skipped so far
+    last_batch: Optional[dict[str, torch.Tensor]] = field(default=None, repr=False)
+
+    @property
+    def save_dir(self) -> Path:
+        return Path(self.prep.cfg.run.save_dir)
+
+
+def setup(prep: Prepared) -> Run:
+    """Process group, student, teacher, engine, loader; resumes from the latest checkpoint if asked."""
+    import deepspeed
+
+    from pipeline.modeling.bert_config import non_embedding_params
+    from pipeline.modeling.param_groups import param_groups
+    from pipeline.modeling.teacher import build_teacher, check_teacher, fingerprint
+
+    cfg = prep.cfg
+    distributed.normalize_launch_env()
+    distributed.init_process_group(backend=distributed.default_backend(), timeout_s=cfg.run.dist_timeout_s)
+    distributed.bound_new_group_timeouts(timeout_s=cfg.run.dist_timeout_s)
+    local = distributed.local_rank()
+    log.every_rank(f"rank {distributed.rank()} of world_size {distributed.world_size()} (local_rank {local}, "
+                   f"host {distributed.hostname()})")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        # Ranks sharing a CPU would each start a thread per core and thrash.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // distributed.local_world_size()))
+    for note in cfg.notes + prep.resume_notes:
+        log.info(note)
+
+    student, init_lines = build_student(prep)
+    for line in init_lines:
+        log.info(line)
+    # The teacher is the student's *initial* encoder: copy it before the engine trains or casts it.
+    teacher = build_teacher(student, dtype=torch.float32, device=torch.device("cpu")) \
+        if cfg.objective.objective == "tacl" else None
+    engine, _, _, _ = deepspeed.initialize(model=student, model_parameters=param_groups(student),
+                                           config=prep.ds_config)
+    # Batch and precision as the engine resolved them (the JSON is their only owner).
+    micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    dtype, device = engine_dtype(engine), engine.device
+    if teacher is not None:
+        teacher = teacher.to(device=device, dtype=dtype)
+        check_teacher(teacher, student)
+
+    tok = prep.tokenizer
+    spec = MaskingSpec(mask_token_id=tok.mask_token_id, special_ids=tuple(sorted(set(tok.all_special_ids))),
+                       vocab_size=len(tok), mask_prob=cfg.data.mask_prob, whole_word=cfg.data.whole_word_masking)
+    collator = MaskingCollator(spec=spec, pad_id=tok.pad_token_id, seed=cfg.run.seed, nsp=prep.use_nsp,
+                               max_seq_len=prep.data.max_seq_len or prep.bert_config.max_position_embeddings)
+    loader = build_loader(prep.data, weights=cfg.data.data_weights, micro_batch=micro, collator=collator,
+                          vocab_size=len(tok), seed=cfg.run.seed, num_workers=cfg.data.num_workers,
+                          num_canonical_nodes=cfg.data.num_canonical_nodes, run_id=run_key(cfg.run.save_dir),
+                          pin_memory=device.type == "cuda", timeout_s=cfg.run.dist_timeout_s)
+    world = distributed.world_size()
+    record = {"deepspeed": prep.ds_config,
+              "engine": {"micro_batch_per_rank": micro, "gradient_accumulation_steps": accum, "world_size": world,
+                         "global_batch": micro * accum * world, "dtype": str(dtype).replace("torch.", ""),
+                         "device": str(device)},
+              "data_format": prep.data.format, "nsp": prep.use_nsp, "tokenizer": prep.tokenizer_dir,
+              "max_seq_len": prep.data.max_seq_len, "samples": prep.data.samples,
+              "bert_config": prep.bert_config.to_dict()}
+    assert tuple(record) == RECORD_KEYS, (tuple(record), RECORD_KEYS)
+    resolved = {**cfg.to_dict(), **record}
+    layer_params, head_params = non_embedding_params(student.config)
+    c = student.config
+    run = Run(prep=prep, engine=engine, teacher=teacher, teacher_print=fingerprint(teacher) if teacher is not None else None,
+              loader=loader, dtype=dtype, device=device, micro=micro, accum=accum, resolved=resolved,
+              flops=FlopsModel(layer_params=layer_params, head_params=head_params, n_layers=c.num_hidden_layers,
+                               hidden=c.hidden_size, vocab=c.vocab_size, teacher=teacher is not None),
+              peak=device_peak_flops(device, dtype=dtype, override_tflops=cfg.run.peak_tflops))
+    if prep.resume_from is not None:
+        state.resume(run, prep.resume_from[1])
+    if distributed.is_main():
+        run.save_dir.mkdir(parents=True, exist_ok=True)
+        (run.save_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str) + "\n")
+    return run
+
+
+@dataclass
+class StepResult:
+    lr: float
+    stop_signal: Optional[str]  # "SIGUSR1" | "SIGTERM" | None, agreed by all ranks
+    sample_ids: list[int]
+
+
+class Batches:
+    """Endless micro-batches: a new epoch (and a new shuffle) when one ends."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.it = iter(loader)
+
+    def next(self) -> dict[str, torch.Tensor]:
+        try:
+            return next(self.it)
+        except StopIteration:
+            self.it = iter(self.loader)
+            return next(self.it)
+
+
+def train_step(run: Run, batches: Batches, flag: PreemptionFlag, meter: Meter) -> StepResult:
+    """One optimizer step: `accum` micro-batches that reach the optimizer (non-finite ones are
+    skipped by every rank together and replaced by the next)."""
+    cfg, engine = run.prep.cfg, run.engine
+    rank = distributed.rank()
+    applied = attempt = 0
+    lr, stop, ids = 0.0, None, []
+    taco = cfg.objective.objective == "taco"
+    while applied < run.accum:
+        batch = batches.next()
+        if cfg.run.trace_samples:
+            ids.extend(batch["sample_ids"].tolist())
+        # Dropout and the losses' draws: functions of (seed, step, micro-batch, rank).
+        torch.manual_seed(mixed_seed(cfg.run.seed, run.step, attempt, rank))
+        gen = torch.Generator().manual_seed(mixed_seed(cfg.run.seed, run.step, attempt, 1 << 20))
+        attempt += 1
+        dev = {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
+        out = engine(dev["input_ids"], dev["token_type_ids"], dev["attention_mask"], dev["masked"],
+                     with_embeddings=taco, with_nsp=run.prep.use_nsp)
+        res = compute_losses(run.prep, out, dev, teacher=run.teacher, generator=gen)
+        if run.step + 1 in cfg.run.debug_nan_steps and rank == cfg.run.debug_nan_rank \
+                and attempt <= cfg.run.debug_nan_attempts:
+            res = StepLosses(total=res.total * float("nan"), values={**res.values, "loss": res.values["loss"] * float("nan")})
+        bad, usr1, term = distributed.any_rank_flags([not bool(torch.isfinite(res.values["loss"])), flag.usr1, flag.term])
+        stop = "SIGUSR1" if usr1 else "SIGTERM" if term else None
+        run.last_batch = dev
+        if bad:
+            # Every rank skips this micro-batch (no backward, no step): the ranks stay in lockstep
+            # and the optimizer never sees the NaN.
+            run.skipped += 1
+            streak = attempt - applied
+            log.warning(f"non-finite loss at step {run.step + 1}: micro-batch skipped ({streak} in a row)")
+            if streak >= cfg.run.max_nonfinite:
+                raise RuntimeError(f"loss was NaN/inf for {streak} micro-batches in a row, the last at step "
+                                   f"{run.step + 1}: stopping (--max_nonfinite {cfg.run.max_nonfinite}). Lower --lr, "
+                                   f"check the data, or resume from the last checkpoint")
+            continue
+        engine.backward(res.total)
+        if applied == run.accum - 1:
+            lr = float(engine.get_lr()[0])  # the rate this optimizer step uses
+        engine.step()
+        applied += 1
+        lengths = batch["attention_mask"].sum(1)
+        tokens = int(lengths.sum())
+        # The vocabulary projection's rows: the masked ones, or every real one for the full head.
+        head_rows = tokens if cfg.model.mlm_head == "full" else int(batch["masked"].sum())
+        meter.add(res.values, tokens=tokens, samples=len(lengths),
+                  flops=run.flops.batch_flops(tokens=tokens, sum_len_sq=int((lengths ** 2).sum()), masked=head_rows))
+    run.step += 1
+    meter.steps += 1
+    return StepResult(lr=lr, stop_signal=stop, sample_ids=ids)
+
+
+def log_record(run: Run, meter: Meter, *, lr: float) -> dict[str, Any]:
+    """The metrics line of the interval since the last one (a collective: every rank calls it)."""
+    keys = metric_keys(run.prep.cfg.objective.objective, nsp=run.prep.use_nsp)
+    vals, elapsed, steps = meter.reduce(keys + list(Meter.COUNTS))
+    mem, mem_kind = memory_gb(run.device)
+    grad_norm = run.engine.get_global_grad_norm()
+    flops_per_s = vals["flops"] / elapsed
+    return {"step": run.step, **{k: vals[k] for k in keys}, "lr": lr,
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "loss_scale": float(getattr(run.engine.optimizer, "loss_scale", 1.0)),
+            "tokens_per_s": vals["tokens"] / elapsed, "samples_per_s": vals["samples"] / elapsed,
+            "tflops_per_s": flops_per_s / 1e12,
+            "mfu": flops_per_s / (run.peak * distributed.world_size()) if run.peak else None,
+            "step_time_s": elapsed / max(steps, 1), "mem_gb": mem, "mem_kind": mem_kind,
+            "skipped_micro_batches": run.skipped,
+            # fp16's dynamic loss scaling skips the optimizer step on overflow (DeepSpeed counts them).
+            "overflow_steps": int(getattr(run.engine, "skipped_steps", 0)), "time": time.time()}
+
+
+def train(prep: Prepared) -> int:
+    """Run the job on every rank. Returns the exit code: 0 when done, and 0 after a pre-emption
+    signal or --stop_after_step once the checkpoint is saved."""
+    cfg = prep.cfg
+    flag = PreemptionFlag()
+    flag.install()
+    run = writer = bar = None
+    try:
+        run = setup(prep)
+        writer = MetricsWriter(run.save_dir, enabled=distributed.is_main(), resume_step=run.step,
+                               trace=cfg.run.trace_samples)
+        show_bar = cfg.run.progress_bar == "on" or (cfg.run.progress_bar == "auto" and sys.stderr.isatty())
+        bar = progress_bar(enabled=distributed.is_main() and show_bar, total=cfg.schedule.max_steps,
+                           initial=run.step)
+        stopped = loop(run, flag, writer=writer, bar=bar)
+        if stopped is None:
+            finish(run)
+        return 0
+    finally:
+        if bar is not None:
+            bar.close()
+        if writer is not None:
+            writer.close()
+        if run is not None:
+            shutdown_loader(run.loader)
+        distributed.release_deepspeed_shm()
+        flag.ignore_further()
+
+
+def loop(run: Run, flag: PreemptionFlag, *, writer: MetricsWriter, bar: Any) -> Optional[str]:
+    """Train to max_steps. Returns None when done, else why it stopped early (after saving)."""
+    cfg = run.prep.cfg
+    batches, meter = Batches(run.loader), Meter()
+    run.engine.train()
+    while run.step < cfg.schedule.max_steps:
+        res = train_step(run, batches, flag, meter)
+        if bar is not None:
+            bar.update(1)
+        if cfg.run.trace_samples:
+            writer.trace(run.step, distributed.all_gather_object(res.sample_ids))
+        # At max_steps the run simply ends (saved, exported) whatever asked it to stop.
+        more = run.step < cfg.schedule.max_steps
+        signalled = res.stop_signal is not None and more
+        chunk_end = run.step == cfg.run.stop_after_step and more
+        stopping = signalled or chunk_end
+        if run.step % cfg.run.log_every == 0 or run.step == cfg.schedule.max_steps or stopping:
+            record = log_record(run, meter, lr=res.lr)
+            writer.log(record)
+            if bar is not None:
+                bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+        if run.step % cfg.run.save_every == 0 or run.step == cfg.schedule.max_steps or stopping:
+            t0 = time.perf_counter()
+            state.save(run)
+            meter.exclude(time.perf_counter() - t0)  # throughput counts training, not checkpoints
+        if signalled:
+            log.info(f"pre-emption signal {res.stop_signal}: saved checkpoint at step {run.step}, exiting 0")
+            return res.stop_signal
+        if chunk_end:
+            log.info(f"stopped after step {run.step} (--stop_after_step): saved checkpoint, exiting 0")
+            return "--stop_after_step"
+    return None  # at max_steps, saved (or resumed there: nothing left to train)
+
+
+def finish(run: Run) -> None:
+    """Export (rank 0, checked against the engine's logits) and the closing line."""
+    cfg = run.prep.cfg
+    if cfg.run.export_dir and distributed.is_main():
+        from pipeline.training.hf_export import export, verify_export
+
+        export(checkpoint.latest_checkpoint(run.save_dir)[1], cfg.run.export_dir)
+        batch = run.last_batch
+        if batch is None:  # nothing trained in this process (resumed at max_steps)
+            batch = {k: v.to(run.device) for k, v in next(iter(run.loader)).items()}
+        check = verify_export(run.engine.module.net, cfg.run.export_dir, batch=batch, dtype=run.dtype,
+                              out=run.save_dir / "export_check")
+        log.info(f"exported the student to {cfg.run.export_dir} (logits vs the engine: max |diff| "
+            f"{check['max_abs_diff_same_dtype']:.3g} in {check['dtype']}, {check['max_abs_diff_fp32']:.3g} in fp32)")
+    distributed.barrier()
+    log.info(f"done: step {run.step}")
+

@@ -1,0 +1,65 @@
+"""Command-line errors: exit code 2 with a message naming the path, flag or value (no Ray needed:
+everything here fails before any work starts)."""
+import subprocess
+import sys
+
+import pytest
+from tests.support.builder import REPO
+
+from preprocessing.builder import main
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text("One sentence here.\n\nAnother document.\n")
+    return path
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--input", "en:{tmp}/missing.txt"], "--input en:{tmp}/missing.txt: no such file or directory"),
+    (["--input", "zh:{tmp}/*.jsonl"], "the glob '{tmp}/*.jsonl' matched no files"),
+    (["--input", "de:{tmp}/a.txt"], "unknown language prefix 'de:'"),
+    (["--input", "{tmp}/a.txt", "--train_tokenizer", "wordpiece"], "give exactly one of --tokenizer"),
+    (["--input", "{tmp}/a.txt", "--max_seq_len", "4"], "--max_seq_len 4: must be between 5"),
+    (["--input", "{tmp}/a.txt", "--num_workers", "0"], "--num_workers 0: must be at least 1"),
+    (["--input", "{tmp}/a.txt", "--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
+    (["--input", "{tmp}/a.txt", "--short_seq_prob", "1.5"], "--short_seq_prob 1.5: must be between 0 and 1"),
+])
+def test_bad_flags_exit_2_naming_them(tmp_path, text_file, capsys, extra, message):
+    args = [a.format(tmp=tmp_path) for a in extra] + ["--output", str(tmp_path / "out")]
+    if "--train_tokenizer" in extra:
+        args += ["--tokenizer", str(tmp_path)]
+    else:
+        args += ["--tokenizer", str(tmp_path / "tok")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message.format(tmp=tmp_path) in err
+    assert not (tmp_path / "out" / "build_manifest.json").exists()
+
+
+def test_malformed_flags_are_argparse_errors(tmp_path, text_file, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--input", str(text_file), "--output", str(tmp_path / "o"), "--tokenizer", "x", "--format", "mlm"])
+    assert exc.value.code == 2 and "--format: invalid choice: 'mlm'" in capsys.readouterr().err
+
+
+def test_unloadable_tokenizer_and_missing_column(tmp_path, text_file, capsys):
+    assert main(["--input", str(text_file), "--output", str(tmp_path / "o"), "--tokenizer", str(tmp_path / "none")]) == 2
+    assert f"--tokenizer {tmp_path / 'none'}: cannot load a tokenizer" in capsys.readouterr().err
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"content": ["x"]}), tmp_path / "t.parquet")
+    assert main(["--input", str(tmp_path / "t.parquet"), "--output", str(tmp_path / "p"), "--tokenizer", "x"]) == 2
+    assert "--text_field text: no such column" in capsys.readouterr().err
+
+
+def test_script_entry_point_exits_2(tmp_path):
+    """`python preprocessing/build_shards.py` works without the repo root on sys.path."""
+    missing = tmp_path / "nothing_here.txt"
+    proc = subprocess.run([sys.executable, str(REPO / "preprocessing" / "build_shards.py"), "--input", f"en:{missing}",
+                           "--output", str(tmp_path / "out"), "--tokenizer", "x"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"no such file or directory: {missing}" in proc.stderr

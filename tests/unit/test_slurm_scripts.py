@@ -1,0 +1,221 @@
+"""The Slurm launchers without a cluster: syntax, headers against the scripts' own defaults, dry
+runs outside an allocation, and the bash helpers against straightforward Python references
+(host lists, the per-task rank mapping against pipeline.distributed.env_from_slurm)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SLURM = REPO / "slurm"
+SCRIPTS = sorted(SLURM.glob("*.sh"))
+JOBS = {"taco_64gpu.sh": (8, 8), "tacl_8gpu.sh": (1, 8), "build_shards_ray.sh": (4, None)}
+
+
+def outside_slurm_env(**knobs: str) -> dict[str, str]:
+    """An environment with no job and no cluster configuration: a login node without Slurm."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
+    # The project's environment active, as on a login node: `python` is its interpreter (the dry run
+    # asks the trainer for the resolved configuration).
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.update(knobs)
+    return env
+
+
+def run_script(name: str, **knobs: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SLURM / name)], env=outside_slurm_env(**knobs), cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+
+
+def bash(snippet: str, **env: str) -> str:
+    r = subprocess.run(["bash", "-c", f"set -euo pipefail; source {SLURM / 'common.sh'}; {snippet}"],
+                       env=outside_slurm_env(**env), capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+def test_scripts_parse(script):
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (apt-get install shellcheck)")
+def test_scripts_pass_shellcheck():
+    # From the repository root, where the scripts' `source "$REPO/slurm/..."` resolve.
+    r = subprocess.run(["shellcheck", "-x", "-s", "bash", *map(str, SCRIPTS)], capture_output=True, text=True,
+                       cwd=REPO)
+    assert r.returncode == 0, r.stdout
+
+
+def sbatch_headers(script: Path) -> dict[str, str]:
+    """#SBATCH options as sbatch reads them: up to the first command line."""
+    out = {}
+    for line in script.read_text().splitlines()[1:]:
+        if line.strip() and not line.startswith("#"):
+            break
+        m = re.match(r"#SBATCH\s+--([\w-]+)(?:=(\S+))?", line)
+        if m:
+            out[m.group(1)] = m.group(2) or ""
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(JOBS))
+def test_headers_match_the_scripts_defaults(name):
+    """The sizes a dry run and a self-submission assume are the ones sbatch reads."""
+    h = sbatch_headers(SLURM / name)
+    text = (SLURM / name).read_text()
+    nodes, gpus = JOBS[name]
+    assert h["nodes"] == str(nodes) and f"DEFAULT_NODES={nodes}" in text
+    assert h["output"] == "logs/%x-%j.out" and h["time"]
+    if gpus is not None:  # the training jobs: one task per GPU, pre-emption warning, requeue
+        assert h["ntasks-per-node"] == h["gpus-per-node"] == str(gpus) and f"DEFAULT_GPUS_PER_NODE={gpus}" in text
+        assert h["cpus-per-task"] and h["mem-per-cpu"]
+        assert f"DEFAULT_CPUS_PER_TASK={h['cpus-per-task']}" in text
+        assert h["signal"] == "USR1@180" and "requeue" in h and h["open-mode"] == "append"
+
+
+def test_taco_dry_run_prints_the_64_rank_command():
+    r = run_script("taco_64gpu.sh", DRY_RUN="1")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    (srun,) = [line for line in out.splitlines() if line.startswith("+ srun")]
+    assert "--kill-on-bad-exit=1 --nodes=8 --ntasks=64 --ntasks-per-node=8 --cpus-per-task=8" in srun
+    assert f"bash {SLURM}/task_env.sh python {REPO}/pipeline/train.py" in srun
+    assert f"--ds_config {REPO}/deepspeed_configs/zero2.json --objective taco --data data/shards" in srun
+    assert "--model_config base --max_steps 500000 --save_dir runs/taco-64gpu --resume auto" in srun
+    assert "WORLD_SIZE=64 LOCAL_WORLD_SIZE=8" in out and "MASTER_ADDR=node001" in out
+    assert "global batch 2048 = micro 32 x accumulation 1 x 64 ranks" in out
+    assert "node node008: RANK 56..63, LOCAL_RANK 0..7" in out
+
+
+def test_taco_dry_run_follows_the_knobs():
+    r = run_script("taco_64gpu.sh", DRY_RUN="1", NODES="2", GPUS_PER_NODE="4", DATA="a,s3://b/c",
+                   DATA_WEIGHTS="0.3,0.7", MAX_STEPS="10", CPU_MODE="1", EXTRA_ARGS="--lr 3e-4 --log_every 1")
+    assert r.returncode == 0, r.stderr
+    (srun,) = [line for line in r.stdout.splitlines() if line.startswith("+ srun")]
+    assert "--nodes=2 --ntasks=8 --ntasks-per-node=4" in srun
+    assert "--data a --data s3://b/c --data_weights 0.3,0.7" in srun
+    assert "--max_steps 10" in srun and srun.endswith("--lr 3e-4 --log_every 1")
+    assert "CPU mode" in r.stdout
+
+
+@pytest.mark.parametrize("knob,value,message", [
+    ("MAX_STEPS", "ten", "MAX_STEPS=ten is not a whole number"),
+    ("NODES", "0", "NODES=0 must be >= 1"),
+    ("DIST_TIMEOUT_S", "soon", "DIST_TIMEOUT_S=soon is not a number"),
+    ("SAVE_EVERY", "0", "SAVE_EVERY=0 must be >= 1"),
+])
+def test_bad_knobs_exit_2_naming_the_variable(knob, value, message):
+    r = run_script("taco_64gpu.sh", DRY_RUN="1", **{knob: value})
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_tacl_dry_run_prints_the_paper_setting():
+    r = run_script("tacl_8gpu.sh", DRY_RUN="1")
+    assert r.returncode == 2 and "INIT_FROM is not set" in r.stderr
+    r = run_script("tacl_8gpu.sh", DRY_RUN="1", INIT_FROM="/models/bert-base-uncased")
+    assert r.returncode == 0, r.stderr
+    (srun,) = [line for line in r.stdout.splitlines() if line.startswith("+ srun")]
+    assert "--nodes=1 --ntasks=8 --ntasks-per-node=8" in srun
+    assert "--objective tacl --data data/tacl_nsp256 --init_from /models/bert-base-uncased --max_steps 150000" in srun
+    assert "--model_config" not in srun and "--resume auto" in srun
+    assert "global batch 256 = micro 32 x accumulation 1 x 8 ranks" in r.stdout
+
+
+def test_build_dry_run_prints_a_worker_start_per_node():
+    r = run_script("build_shards_ray.sh", DRY_RUN="1", NODES="3", INPUTS="en:/d/*.txt zh:/d/z.jsonl",
+                   OUTPUT="/o", CPUS_PER_NODE="16")
+    assert r.returncode == 0, r.stderr
+    cmds = [line for line in r.stdout.splitlines() if line.startswith("+ ")]
+    (head,) = [c for c in cmds if "ray start --head" in c]
+    workers = [c for c in cmds if "ray start --address" in c]
+    assert "--nodelist=node001 " in head and "--num-cpus=16" in head and "--port=30345" in head
+    assert [re.search(r"--nodelist=(\S+)", w).group(1) for w in workers] == ["node002", "node003"]
+    assert all("--address=node001:30345" in w for w in workers)
+    (builder,) = [c for c in cmds if "build_shards.py" in c]
+    assert "--input 'en:/d/*.txt' --input zh:/d/z.jsonl --output /o" in builder  # globs left to the builder
+    assert "--ray_address node001:30345" in builder
+
+
+def test_build_requires_inputs_and_output():
+    r = run_script("build_shards_ray.sh", DRY_RUN="1", OUTPUT="/o")
+    assert r.returncode == 2 and "INPUTS is empty" in r.stderr
+    r = run_script("build_shards_ray.sh", DRY_RUN="1", INPUTS="en:/x")
+    assert r.returncode == 2 and "OUTPUT is empty" in r.stderr
+
+
+def _expand_reference(hostlist: str) -> list[str]:
+    hosts = []
+    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", hostlist):
+        prefix, ranges = m.group(1), m.group(2)
+        if not ranges:
+            hosts.append(prefix)
+            continue
+        for r in ranges.split(","):
+            lo, _, hi = r.partition("-")
+            hosts += [f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi or lo) + 1)]
+    return hosts
+
+
+@pytest.mark.parametrize("hostlist", ["n1", "n[1-2]", "gpu[001-003,007],cpu1", "a[08-11],b[1],c", "x-y[9-10]"])
+def test_hostlist_expansion_without_slurm(hostlist):
+    got = bash(f"expand_hostlist '{hostlist}'", PATH="/usr/bin:/bin").split()
+    assert got == _expand_reference(hostlist)
+    from pipeline.distributed import first_host
+
+    assert got[0] == first_host(hostlist)  # the trainer's own fallback mapping agrees
+
+
+def test_latest_checkpoint_step(tmp_path):
+    assert bash(f"latest_checkpoint_step {tmp_path}").strip() == "-1"
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000420\n")
+    assert bash(f"latest_checkpoint_step {tmp_path}").strip() == "420"
+    (tmp_path / "checkpoints" / "latest").write_text("global_step7")
+    assert bash(f"latest_checkpoint_step {tmp_path}").strip() == "-1"
+
+
+def test_port_from_job_is_stable_and_in_range():
+    ports = [int(bash(f"port_from_job {j} 20000 20000")) for j in (0, 1, 19999, 20000, 123456)]
+    assert ports == [20000, 20001, 39999, 20000, 23456]
+
+
+def test_task_env_maps_slurm_like_the_trainer_does(tmp_path):
+    """slurm/task_env.sh and pipeline.distributed.env_from_slurm() read the same Slurm variables the
+    same way (the script sets them explicitly; the trainer's mapping is the fallback)."""
+    slurm_vars = dict(SLURM_PROCID="13", SLURM_LOCALID="5", SLURM_NTASKS="16", SLURM_STEP_NUM_TASKS="16",
+                      SLURM_NTASKS_PER_NODE="8", SLURM_STEP_TASKS_PER_NODE="8(x2)", SLURMD_NODENAME="gpu002",
+                      SLURM_JOB_NODELIST="gpu[001-002]", SLURM_JOB_ID="777")
+    scratch = tmp_path / "scratch"
+    r = subprocess.run(["bash", str(SLURM / "task_env.sh"), "env"], capture_output=True, text=True,
+                       env=outside_slurm_env(**slurm_vars, MASTER_ADDR="gpu001", MASTER_PORT="20777",
+                                             JOB_SCRATCH=str(scratch)))
+    assert r.returncode == 0, r.stderr
+    got = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line and not line.startswith("["))
+    assert "[slurm] node gpu002 task 13: RANK=13 LOCAL_RANK=5 WORLD_SIZE=16 LOCAL_WORLD_SIZE=8" in r.stdout
+    assert got["TMPDIR"] == str(scratch) and scratch.is_dir()
+
+    py = ("import os, json; from pipeline.distributed import env_from_slurm; env_from_slurm(); "
+          "print(json.dumps({k: os.environ[k] for k in ('RANK','LOCAL_RANK','WORLD_SIZE','LOCAL_WORLD_SIZE','MASTER_ADDR')}))")
+    env = {k: v for k, v in outside_slurm_env(**slurm_vars).items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    r = subprocess.run([sys.executable, "-c", py], capture_output=True, text=True, env=env, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    expected = json.loads(r.stdout)
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        assert got[k] == expected[k], k
+    assert expected["MASTER_ADDR"] == "gpu001" == got["MASTER_ADDR"]
+
+
+def test_task_env_refuses_to_run_outside_srun():
+    r = subprocess.run(["bash", str(SLURM / "task_env.sh"), "true"], capture_output=True, text=True,
+                       env=outside_slurm_env())
+    assert r.returncode != 0 and "task_env.sh runs under srun" in r.stderr
