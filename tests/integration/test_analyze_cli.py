@@ -23,6 +23,7 @@ WORDS = "the cat sat on a mat dog ran to park . it was sunny and warm we like te
 
 
 def cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.dot(a.double(), b.double()) / (a.double().norm() * b.double().norm()))
 
 
 def run_analyze(*args: str) -> subprocess.CompletedProcess:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.training.config import PAPER_DEFAULTS, ScheduleArgs, parse_args, resolve_ds_config
+from pipeline.training.config import PAPER_DEFAULTS, ScheduleArgs, parse_args
+from pipeline.training.ds_config import resolve_ds_config
 from pipeline.data.shards import ShardError
 from pipeline.training.preflight import prepare
 from tests.support.trainer import REPO, minilm_dir, shard_sets, write_ds_config
