@@ -165,7 +165,8 @@ class TrainConfig:
     print_config: bool = False  # --print_config: print the resolved configuration and exit
 
     def to_dict(self) -> dict[str, Any]:
-        return {key: dataclasses.asdict(getattr(self, key)) for key in SECTIONS}
+        """The sections as JSON holds them (tuples become lists): what RUN/config.json records."""
+        return json.loads(json.dumps({key: dataclasses.asdict(getattr(self, key)) for key in SECTIONS}))
 
 
 def build_parser() -> argparse.ArgumentParser:
