@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh clone:
 #   make demo   install, build shards from the embedded sample corpus, pre-train a tiny model, export it
-#   make test   install, run the test suite
+#   make test   install, run the whole test suite (what CI runs)
+# Also: make test-fast (the unit tier, minutes), make lint (ruff, as CI runs it).
 # People who manage their own environment: pip install -e ".[dev]" and run the same steps by hand.
 
 PYTHON  ?= python3
@@ -10,7 +11,7 @@ DEMO    ?= demo
 # CPU here, every GPU where there are some.
 NGPU    := $(shell $(PY) -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 
-.PHONY: setup demo test clean-demo
+.PHONY: setup demo test test-fast lint clean-demo
 
 setup: $(VENV)/.installed
 
@@ -41,6 +42,15 @@ _demo:
 test: setup
 	$(PY) -m pytest tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# The unit tier: in-process tests, no launcher, no Ray/DeepSpeed/Slurm jobs.
+test-fast: setup
+	$(PY) -m pytest tests/unit; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-fast: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 clean-demo:
 	rm -rf $(DEMO)

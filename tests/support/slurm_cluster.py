@@ -4,9 +4,11 @@
 Nothing here touches /etc/slurm or a system munged: the cluster has its own slurm.conf (clients
 find it through SLURM_CONF, see `SlurmCluster.env`), its own munge socket, free ports, and is
 stopped by the pids its daemons wrote, never by process name. The only system change is
-installing the Debian packages when they are missing (`ensure_installed`, needs root).
+installing the Debian packages when they are missing (`ensure_installed`, needs root), and only when
+asked: TOKENCL_REQUIRE_SLURM=1 (CI, .ci/run) or TOKENCL_INSTALL_SLURM=1; otherwise the tests skip and
+say the command to run.
 
-    python tests/slurm_cluster.py     # start one by hand; prints `export SLURM_CONF=...`, Ctrl-C stops it
+    python -m tests.support.slurm_cluster     # start one by hand; prints `export SLURM_CONF=...`, Ctrl-C stops it
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -51,6 +54,10 @@ def ensure_installed() -> None:
     missing = _missing_binaries()
     if not missing:
         return
+    if not (os.environ.get("TOKENCL_REQUIRE_SLURM") or os.environ.get("TOKENCL_INSTALL_SLURM")):
+        raise SlurmUnavailable(f"Slurm is not installed (missing {', '.join(missing)}); install it with "
+                               f"`apt-get install -y --no-install-recommends {' '.join(PACKAGES)}`, or set "
+                               f"TOKENCL_INSTALL_SLURM=1 to let the tests install it", skippable=True)
     if os.geteuid() != 0:
         raise SlurmUnavailable(f"Slurm is not installed (missing {', '.join(missing)}) and installing it needs root: "
                                f"sudo apt-get install -y --no-install-recommends {' '.join(PACKAGES)}",
@@ -60,6 +67,7 @@ def ensure_installed() -> None:
                                f"install {' '.join(PACKAGES)}", skippable=False)
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
+    print(f"[slurm tests] installing Slurm for the launcher tests: {' '.join(install)}", file=sys.stderr, flush=True)
     r = subprocess.run(install, env=env, capture_output=True, text=True)
     if r.returncode != 0:  # a stale package list: refresh once
         subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, text=True)
