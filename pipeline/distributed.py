@@ -110,16 +110,45 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def init_process_group(*, backend: str, timeout_s: float = 600.0) -> None:
+# A gloo twin of the world group where the world runs NCCL: the small collectives of host numbers
+# (batch layouts, control flags) travel over it without touching the device.
+_HOST_GROUP: Optional[dist.ProcessGroup] = None
+
+
+def init_process_group(*, backend: str, timeout_s: float = 600.0, device: Optional[torch.device] = None) -> None:
     """Initialise the default process group from the launcher's environment (env:// rendezvous).
 
     `timeout_s` bounds every collective: if a rank dies, the others fail after this long instead of
-    hanging until the job's time limit.
+    hanging until the job's time limit. `device` (NCCL): this rank's GPU, bound to the group up front.
+    With NCCL a gloo group of the same ranks is created beside it for host-side collectives.
     """
+    global _HOST_GROUP
     env_from_slurm()
     if dist.is_initialized():
         return
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl" and device is not None:
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    if backend == "nccl":
+        _HOST_GROUP = dist.new_group(backend="gloo", timeout=timeout)
+
+
+def gpu_for_this_rank() -> Optional[torch.device]:
+    """The GPU this rank drives: LOCAL_RANK modulo the GPUs it sees (a Slurm task bound to one GPU
+    sees one, whatever its local rank). None without GPUs."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.device("cuda", local_rank() % torch.cuda.device_count())
+
+
+def host_group(group: Optional[dist.ProcessGroup] = None) -> Optional[dist.ProcessGroup]:
+    """The group to send host (CPU) tensors over for the ranks of `group`: the group itself on gloo,
+    the world's gloo twin for the NCCL world."""
+    if group is None and _HOST_GROUP is not None:
+        return _HOST_GROUP
+    return group
 
 
 def barrier() -> None:
@@ -150,17 +179,25 @@ def _collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.devic
 
 
 def all_gather_ints(values: Sequence[int], *, group: Optional[dist.ProcessGroup] = None) -> list[list[int]]:
-    """Every rank's `values` (the same length on every rank), in rank order: one small collective.
+    """Every rank's `values` (the same length on every rank), in rank order: one small collective of
+    host integers (over the host group: no device work, no device read).
 
     In: a list of k Python ints. Out: R lists of k ints (R = world size of `group`; [values] alone
     without a process group).
     """
     if not is_distributed(group):
         return [list(values)]
-    local_k = torch.tensor(list(values), dtype=torch.int64, device=_collective_device(group))
-    out = [torch.empty_like(local_k) for _ in range(world_size(group))]
-    dist.all_gather(out, local_k, group=group)
-    return [t.tolist() for t in out]
+    local_k = torch.tensor(list(values), dtype=torch.int64)
+    out = torch.empty(world_size(group) * len(values), dtype=torch.int64)
+    _all_gather_flat(out, local_k, group=host_group(group))
+    return out.view(world_size(group), len(values)).tolist()
+
+
+def _all_gather_flat(out: torch.Tensor, x: torch.Tensor, *, group: Optional[dist.ProcessGroup]) -> None:
+    """`out` [R * n, ...] <- every rank's `x` [n, ...], in rank order: one collective into one tensor
+    (all_gather_single where torch has it, its older name otherwise)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=group)
 
 
 def all_gather_uneven(
@@ -191,8 +228,9 @@ def all_gather_uneven(
     if autograd:
         parts = _all_gather_with_grad(padded, group)
     else:
-        parts = [torch.empty_like(padded) for _ in sizes]
-        dist.all_gather(parts, padded, group=group)
+        out = padded.new_empty((len(sizes) * longest, *padded.shape[1:]))
+        _all_gather_flat(out, padded, group=group)
+        parts = out.split(longest)
     return torch.cat([part[:n] for part, n in zip(parts, sizes)])
 
 
@@ -306,14 +344,19 @@ def node_on_host() -> tuple[int, int, int]:
     return node, here.index(node), len(here)
 
 
-def any_rank_flags(flags: Sequence[bool]) -> list[bool]:
-    """For each flag, True on every rank if it is True on any rank: one collective for several
-    decisions that all ranks must take together (a NaN loss, a pre-emption signal)."""
+def max_over_ranks(values: Sequence[int]) -> list[int]:
+    """The element-wise maximum of host integers over all ranks, on every rank: one small collective
+    over the host group for the decisions all ranks take together (stop, abort)."""
     if not is_distributed():
-        return [bool(f) for f in flags]
-    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=_collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [bool(v > 0) for v in t.tolist()]
+        return [int(v) for v in values]
+    t = torch.tensor([int(v) for v in values], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=host_group())
+    return t.tolist()
+
+
+def any_rank_flags(flags: Sequence[bool]) -> list[bool]:
+    """For each flag, True on every rank if it is True on any rank (a pre-emption signal seen by one)."""
+    return [v > 0 for v in max_over_ranks([1 if f else 0 for f in flags])]
 
 
 def single_process_env() -> None:

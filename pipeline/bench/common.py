@@ -86,21 +86,25 @@ class Variant:
         distributed.single_process_env()
         self.trainer = trainer
         self.run = trainer.setup(preflight.prepare(parse_args(list(argv))))
-        self.batches, self.flag = trainer.Batches(self.run.loader), trainer.PreemptionFlag()
+        self.batches = trainer.Batches(self.run.loader)
         self.rounds: list[dict[str, float]] = []
         self.run.engine.train()
         for _ in range(warmup):
-            trainer.train_step(self.run, self.batches, self.flag, Meter())
+            trainer.train_step(self.run, self.batches, self._meter())
+
+    def _meter(self) -> Meter:
+        return Meter(["loss"], self.run.device)
 
     def time(self, steps: int) -> None:
-        meter = Meter()
+        meter = self._meter()
         _sync(self.run.device)
         t0 = time.perf_counter()
         for _ in range(steps):
-            self.trainer.train_step(self.run, self.batches, self.flag, meter)
+            self.trainer.train_step(self.run, self.batches, meter)
         _sync(self.run.device)
         elapsed = time.perf_counter() - t0
-        self.rounds.append({"elapsed": elapsed, "steps": steps, **meter.sums, "micro": meter.micro})
+        loss = float(meter.sums[0]) / max(float(meter.sums[-1]), 1.0)
+        self.rounds.append({"elapsed": elapsed, "steps": steps, **meter.counts, "loss": loss, "micro": meter.micro})
 
     def result(self) -> dict[str, Any]:
         """The median round: step time, non-pad tokens/s, samples/s, model TFLOP/s, MFU (None where
@@ -114,7 +118,7 @@ class Variant:
             "samples_per_s": r["samples"] / e,
             "tflops_per_s": r["flops"] / e / 1e12,
             "mfu": r["flops"] / e / (run.peak * distributed.world_size()) if run.peak else None,
-            "loss": r["loss"] / max(r["micro"], 1),
+            "loss": r["loss"],
             "dtype": str(run.dtype).replace("torch.", ""),
             "device": torch.cuda.get_device_name() if run.device.type == "cuda" else "cpu",
         }

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline import distributed
-from pipeline.losses.sampling import layout_bytes, max_pool_rows_per_rank
+from pipeline.losses.sampling import LAYOUT_BYTES_PER_RANK, max_pool_rows_per_rank
 
 # The metrics reduction: 4 float64 per call.
 _REDUCE_BYTES = 4 * 8
@@ -47,19 +47,21 @@ def share_across_ranks(
     *,
     correct_N: torch.Tensor,
     valid_N: torch.Tensor,
-    skipped: torch.Tensor | int,
-    world_size: int,
+    skipped: Optional[torch.Tensor],
     gathered_bytes: int,
     group: Optional[dist.ProcessGroup],
 ) -> tuple[torch.Tensor, Metrics]:
-    """Turn per-anchor losses into this rank's share of the global mean (module docstring)."""
+    """Turn per-anchor losses into this rank's share of the global mean (module docstring). One
+    collective, on the device (the denominator stays there: nothing is read back); "gathered_bytes"
+    is a host number, so it comes back as a CPU tensor."""
+    world_size = distributed.world_size(group)
     # where(), not a multiply: a skipped anchor's loss may be inf, and inf * 0 is NaN.
     loss_N = torch.where(valid_N, loss_N, torch.zeros_like(loss_N))
     local = torch.stack([
         loss_N.detach().sum().double(),
         (correct_N & valid_N).sum().double(),
         valid_N.sum().double(),
-        torch.as_tensor(skipped, dtype=torch.float64, device=loss_N.device),
+        (skipped if skipped is not None else loss_N.new_zeros(())).double(),
     ])
     loss_sum, correct, count, skipped_all = distributed.sum_over_ranks(local, group=group)
     denominator = count.clamp_min(1)
@@ -72,7 +74,7 @@ def share_across_ranks(
         "acc": (correct / denominator).float(),
         "num_anchors": count.float(),
         "num_skipped": skipped_all.float(),
-        "gathered_bytes": torch.tensor(float(gathered_bytes), device=loss_N.device),
+        "gathered_bytes": torch.tensor(float(gathered_bytes)),
     }
     return loss, metrics
 
@@ -86,7 +88,7 @@ def gather_bytes_per_call(*, world_size: int, tokens_per_rank: int, hidden_size:
     if world_size <= 1:
         return 0
     rows = max_pool_rows_per_rank(tokens_per_rank, world_size=world_size, pool_size=pool_size)
-    return layout_bytes(world_size) + world_size * rows * (hidden_size * itemsize + 8) + _REDUCE_BYTES
+    return LAYOUT_BYTES_PER_RANK * world_size + world_size * rows * (hidden_size * itemsize + 8) + _REDUCE_BYTES
 
 
 def check_pair(fn: str, x_BLD: torch.Tensor, other_name: str, other_BLD: torch.Tensor,

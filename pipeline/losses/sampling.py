@@ -2,9 +2,17 @@
 cross-device pool of token vectors, and TACO's positives and negatives.
 
 Every draw is defined on the *global* index space: all ranks' micro-batches concatenated in rank
-order, positions row-major. Draws come from one seed that all ranks share (rank 0's), through
-private generators keyed by what is drawn, so R ranks draw exactly what one process holding the
-concatenated batch draws, and the per-anchor draws of rank r cost O(its own anchors), not O(all).
+order, positions row-major. Draws come from one seed that every rank takes from an identically
+seeded generator (the trainer seeds it from the step, not the rank; a layout gather checks it),
+through private generators keyed by what is drawn, so R ranks draw exactly what one process holding
+the concatenated batch draws, and the per-anchor draws of rank r cost O(its own anchors), not O(all).
+
+Nothing here reads a device tensor on the host. The layout is host numbers (counts the collator
+made); where every rank holds the same counts by construction (packed blocks, every token an
+anchor) it needs no collective at all, else one small all-gather of host integers. The pool's
+picks are drawn on the CPU from the seed, so every rank knows how many rows each rank sends without
+asking the device; the rows themselves are gathered in one collective, their sequence ids either
+computed from the picks (uniform layouts) or carried in the same gather.
 
 The pool is a *stratified* sample of the real tokens of all ranks: the global token range is cut
 into P equal strata and one token is drawn from each. Every token has the same chance P/T to be in
@@ -29,6 +37,8 @@ from pipeline import distributed
 # Streams of the shared seed (keys of the private generators).
 _POOL_STREAM = 1
 _ANCHOR_STREAM = 2
+# A layout gather: 4 int64 per rank (sequences, tokens, anchors, seed).
+LAYOUT_BYTES_PER_RANK = 4 * 8
 # Per-anchor draws come in globally aligned blocks of this many anchors, one generator per block,
 # so a rank only draws the blocks that overlap its own anchors.
 ANCHOR_BLOCK = 4096
@@ -36,13 +46,16 @@ ANCHOR_BLOCK = 4096
 
 @dataclass(frozen=True)
 class Layout:
-    """Per-rank counts (in rank order) of sequences, real tokens and anchors, and the shared seed."""
+    """Per-rank counts (in rank order) of sequences, real tokens and anchors, and the shared seed.
+    `tokens_per_sequence`: set when every sequence of every rank holds exactly that many real tokens
+    (packed blocks), so a global token index determines its sequence."""
 
     rank: int
     sequences: tuple[int, ...]
     tokens: tuple[int, ...]
     anchors: tuple[int, ...]
     seed: int
+    tokens_per_sequence: Optional[int] = None
 
     @property
     def world_size(self) -> int:
@@ -63,28 +76,36 @@ class Layout:
 
 def draw_seed(generator: Optional[torch.Generator]) -> int:
     """One int drawn from `generator` (torch's default generator if None): the only draw the losses
-    take from the caller's generator, so its state advances the same way on every rank."""
+    take from the caller's generator, so its state advances the same way on every rank. A CPU
+    generator (what the trainer passes) costs no device read."""
     device = generator.device if generator is not None else torch.device("cpu")
     return int(torch.randint(0, 2**62, (1,), generator=generator, device=device).item())
 
 
 def gather_layout(
-    *, sequences: int, tokens: int, anchors: int, seed: int, group: Optional[dist.ProcessGroup]
+    *, sequences: int, tokens: int, anchors: int, seed: int, group: Optional[dist.ProcessGroup],
+    tokens_per_sequence: Optional[int] = None,
 ) -> Layout:
-    """Every rank's counts and rank 0's seed (one small all-gather; none without a process group)."""
+    """Every rank's counts. `tokens_per_sequence` set (the caller's promise that every rank holds
+    `sequences` sequences of exactly that many real tokens, all anchors included): no collective.
+    Otherwise one small all-gather of host integers, which also checks that every rank draws with the
+    same seed."""
+    world, rank = distributed.world_size(group), distributed.rank(group)
+    if tokens_per_sequence is not None or world == 1:
+        return Layout(rank=rank, sequences=(sequences,) * world, tokens=(tokens,) * world, anchors=(anchors,) * world,
+                      seed=seed, tokens_per_sequence=tokens_per_sequence)
     rows = distributed.all_gather_ints([sequences, tokens, anchors, seed], group=group)
-    return Layout(
-        rank=distributed.rank(group),
-        sequences=tuple(r[0] for r in rows),
-        tokens=tuple(r[1] for r in rows),
-        anchors=tuple(r[2] for r in rows),
-        seed=rows[0][3],
-    )
+    assert len({r[3] for r in rows}) == 1, f"ranks draw with different seeds {[r[3] for r in rows]}: seed the " \
+                                           f"loss generator from the step, not the rank"
+    return Layout(rank=rank, sequences=tuple(r[0] for r in rows), tokens=tuple(r[1] for r in rows),
+                  anchors=tuple(r[2] for r in rows), seed=seed)
 
 
-def layout_bytes(world_size: int) -> int:
-    """Bytes one rank receives from `gather_layout`."""
-    return 0 if world_size <= 1 else world_size * 4 * 8
+def layout_bytes(layout: Layout) -> int:
+    """Bytes one rank receives from `gather_layout` (0 when it gathered nothing)."""
+    if layout.world_size <= 1 or layout.tokens_per_sequence is not None:
+        return 0
+    return layout.world_size * LAYOUT_BYTES_PER_RANK
 
 
 def private_generator(seed: int, *keys: int, device: torch.device) -> torch.Generator:
@@ -134,11 +155,12 @@ def max_pool_rows_per_rank(tokens_per_rank: int, *, world_size: int, pool_size: 
 @dataclass(frozen=True)
 class PoolDraw:
     """This rank's part of the pool: its rows (flat positions, ascending) and their global sequence
-    ids, and how many rows every rank sends."""
+    ids, how many rows every rank sends, and, for uniform layouts, the whole pool's sequence ids."""
 
     flat_n: torch.Tensor
     sequence_n: torch.Tensor
     sizes: list[int]
+    sequence_P: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -150,28 +172,49 @@ class Pool:
     gathered_bytes: int
 
 
-def draw_pool(*, real_BL: torch.Tensor, layout: Layout, pool_size: int) -> PoolDraw:
-    """Draw the pool (module docstring) and find this rank's rows. No collective: every rank knows
-    how many of the global picks fall in each rank's token range."""
-    L = real_BL.shape[1]
-    device = real_BL.device
-    picks_P = pool_token_indices(sum(layout.tokens), pool_size, seed=layout.seed, device=device)
-    bounds = torch.tensor([0, *itertools.accumulate(layout.tokens)], device=device)
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without stalling the host (pinned, asynchronous on CUDA)."""
+    if device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
+def draw_pool(*, real_flat_T: torch.Tensor, width: int, layout: Layout, pool_size: int) -> PoolDraw:
+    """Draw the pool (module docstring) and find this rank's rows. No collective and no device read:
+    the picks are drawn on the CPU, so every rank knows how many fall in each rank's token range.
+    In: real_flat_T [T] int64, the flat positions (in this rank's [B, width] grid) of its real tokens."""
+    device = real_flat_T.device
+    picks_P = pool_token_indices(sum(layout.tokens), pool_size, seed=layout.seed, device=torch.device("cpu"))
+    bounds = torch.tensor([0, *itertools.accumulate(layout.tokens)])
     sizes = torch.searchsorted(picks_P, bounds).diff().tolist()
     start = layout.token_offset
     mine = picks_P[(picks_P >= start) & (picks_P < start + layout.tokens[layout.rank])] - start
-    flat_n = real_BL.reshape(-1).nonzero().squeeze(1)[mine]
-    return PoolDraw(flat_n=flat_n, sequence_n=flat_n // L + layout.sequence_offset, sizes=sizes)
+    flat_n = real_flat_T.index_select(0, to_device(mine, device))
+    sequence_P = None
+    if layout.tokens_per_sequence is not None:
+        sequence_P = to_device(picks_P // layout.tokens_per_sequence, device)
+    return PoolDraw(flat_n=flat_n, sequence_n=flat_n // width + layout.sequence_offset, sizes=sizes,
+                    sequence_P=sequence_P)
 
 
 def gather_pool(rows_nD: torch.Tensor, *, draw: PoolDraw, group: Optional[dist.ProcessGroup],
                 autograd: bool) -> Pool:
     """Gather every rank's pool rows (this rank's: `rows_nD`, the vectors at draw.flat_n) in the dtype
-    they come in; `autograd=True` lets gradients flow back to the rows' owners.
-    Out: Pool with vectors_PD [P, D] and sequence_P [P] (global sequence ids, ascending)."""
-    vectors_PD = distributed.all_gather_uneven(rows_nD, sizes=draw.sizes, group=group, autograd=autograd)
-    sequence_P = distributed.all_gather_uneven(draw.sequence_n, sizes=draw.sizes, group=group)
-    row_bytes = rows_nD.shape[1] * rows_nD.element_size() + draw.sequence_n.element_size()
+    they come in, in one collective; `autograd=True` lets gradients flow back to the rows' owners.
+    Where the sequence ids are not known already they travel in the same gather, their int64 bits
+    appended to each row. Out: Pool with vectors_PD [P, D] and sequence_P [P] (global ids, ascending)."""
+    D = rows_nD.shape[1]
+    if draw.sequence_P is not None or len(draw.sizes) <= 1:
+        vectors_PD = distributed.all_gather_uneven(rows_nD, sizes=draw.sizes, group=group, autograd=autograd)
+        sequence_P = draw.sequence_P if draw.sequence_P is not None else draw.sequence_n
+        row_bytes = D * rows_nD.element_size()
+    else:
+        id_bits_nk = draw.sequence_n.to(torch.int64).contiguous().view(rows_nD.dtype).view(rows_nD.shape[0], -1)
+        both_PDk = distributed.all_gather_uneven(torch.cat([rows_nD, id_bits_nk], dim=1), sizes=draw.sizes,
+                                                 group=group, autograd=autograd)
+        vectors_PD = both_PDk[:, :D]
+        sequence_P = both_PDk[:, D:].detach().contiguous().view(torch.int64).view(-1)
+        row_bytes = D * rows_nD.element_size() + 8
     gathered = distributed.uneven_gather_bytes(draw.sizes, row_bytes=row_bytes)
     return Pool(vectors_PD=vectors_PD, sequence_P=sequence_P, gathered_bytes=gathered)
 

@@ -31,6 +31,8 @@ def tacl_loss(
     num_pool: int = 0,
     group: Optional[dist.ProcessGroup] = None,
     generator: Optional[torch.Generator] = None,
+    anchor_flat_N: Optional[torch.Tensor] = None,
+    real_flat_T: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """TaCL: each masked position i of the student must pick its own teacher vector t_i.
 
@@ -44,18 +46,22 @@ def tacl_loss(
 
     In: student_BLD, teacher_BLD [B, L, D]; masked_BL bool [B, L] (a subset of the real tokens);
     attention_mask_BL [B, L], nonzero for real tokens. `generator` (optional) drives the pool draw
-    (torch's default generator otherwise; rank 0's draw is used on all ranks).
+    (torch's default generator otherwise; seed it identically on every rank). `anchor_flat_N` and
+    `real_flat_T` (optional, int64): the flat positions of masked_BL's and attention_mask_BL's True
+    entries, ascending, as the collator computed them; given, nothing is read back from the device
+    (and masked_BL is trusted to lie within the real tokens).
     Out: (loss, metrics) with "loss", "acc", "num_anchors", "num_skipped" (always 0 here),
     "gathered_bytes" (bytes this rank received in this call).
     """
     with fp32_only(student_BLD):
         return _tacl_loss(student_BLD, teacher_BLD=teacher_BLD, masked_BL=masked_BL,
                           attention_mask_BL=attention_mask_BL, temperature=temperature, negatives=negatives,
-                          num_pool=num_pool, group=group, generator=generator)
+                          num_pool=num_pool, group=group, generator=generator, anchor_flat_N=anchor_flat_N,
+                          real_flat_T=real_flat_T)
 
 
 def _tacl_loss(student_BLD, *, teacher_BLD, masked_BL, attention_mask_BL, temperature, negatives, num_pool, group,
-               generator):
+               generator, anchor_flat_N, real_flat_T):
     check_pair("tacl_loss", student_BLD, "teacher_BLD", teacher_BLD, attention_mask_BL)
     check_mask("tacl_loss", "masked_BL", masked_BL, attention_mask_BL)
     if temperature <= 0:
@@ -67,30 +73,32 @@ def _tacl_loss(student_BLD, *, teacher_BLD, masked_BL, attention_mask_BL, temper
     if negatives == "sequence" and num_pool != 0:
         raise ValueError(f"tacl_loss: num_pool={num_pool} only applies to negatives='global'; pass 0")
     real_BL = attention_mask_BL != 0
-    padded_masks = int((masked_BL & ~real_BL).sum())
-    if padded_masks:
-        raise ValueError(f"tacl_loss: masked_BL marks {padded_masks} padding position(s) (attention_mask 0)")
+    if anchor_flat_N is None:  # a direct call: find the anchors (and check them) on the device
+        padded_masks = int((masked_BL & ~real_BL).sum())
+        if padded_masks:
+            raise ValueError(f"tacl_loss: masked_BL marks {padded_masks} padding position(s) (attention_mask 0)")
+        anchor_flat_N = masked_BL.reshape(-1).nonzero().squeeze(1)
     B, L, D = student_BLD.shape
-    anchor_flat_N = masked_BL.reshape(-1).nonzero().squeeze(1)
     b_N, l_N = anchor_flat_N // L, anchor_flat_N % L
-    seed = draw_seed(generator) if negatives == "global" else 0
-    layout = gather_layout(sequences=B, tokens=int(real_BL.sum()), anchors=len(anchor_flat_N),
-                           seed=seed, group=group)
-    gathered = layout_bytes(layout.world_size)
+    gathered = 0
 
     s_BLD = F.normalize(student_BLD.float(), dim=-1)
     t_BLD = F.normalize(teacher_BLD.detach().float(), dim=-1)
     # [B, L, L] is small (8 MB at B=32, L=256) and one batched GEMM; rows of non-anchors are dropped.
     scores_BLL = torch.bmm(s_BLD, t_BLD.transpose(1, 2))
-    logits_NL = scores_BLL.reshape(B * L, L)[anchor_flat_N] / temperature
+    logits_NL = scores_BLL.reshape(B * L, L).index_select(0, anchor_flat_N) / temperature
     logit_parts = [logits_NL.masked_fill(~real_BL[b_N], -math.inf)]
     if negatives == "global":
-        draw = draw_pool(real_BL=real_BL, layout=layout, pool_size=num_pool)
-        pool = gather_pool(teacher_BLD.detach().reshape(B * L, D)[draw.flat_n], draw=draw, group=group,
-                           autograd=False)
-        gathered += pool.gathered_bytes
+        if real_flat_T is None:
+            real_flat_T = real_BL.reshape(-1).nonzero().squeeze(1)
+        layout = gather_layout(sequences=B, tokens=real_flat_T.shape[0], anchors=anchor_flat_N.shape[0],
+                               seed=draw_seed(generator), group=group)
+        draw = draw_pool(real_flat_T=real_flat_T, width=L, layout=layout, pool_size=num_pool)
+        pool = gather_pool(teacher_BLD.detach().reshape(B * L, D).index_select(0, draw.flat_n), draw=draw,
+                           group=group, autograd=False)
+        gathered += layout_bytes(layout) + pool.gathered_bytes
         pool_PD = F.normalize(pool.vectors_PD.float(), dim=-1)
-        s_ND = s_BLD.reshape(B * L, D)[anchor_flat_N]
+        s_ND = s_BLD.reshape(B * L, D).index_select(0, anchor_flat_N)
         logits_NP = s_ND @ pool_PD.T / temperature
         own_NP = pool.sequence_P[None, :] == (b_N + layout.sequence_offset)[:, None]
         logit_parts.append(logits_NP.masked_fill(own_NP, -math.inf))
@@ -98,6 +106,6 @@ def _tacl_loss(student_BLD, *, teacher_BLD, masked_BL, attention_mask_BL, temper
     loss_N = F.cross_entropy(logits_NC, l_N, reduction="none")
     correct_N = positive_on_top(logits_NC.detach(), l_N)
     valid_N = torch.ones_like(correct_N)
-    return share_across_ranks(loss_N, correct_N=correct_N, valid_N=valid_N, skipped=0,
-                               world_size=layout.world_size, gathered_bytes=gathered, group=group)
+    return share_across_ranks(loss_N, correct_N=correct_N, valid_N=valid_N, skipped=None, gathered_bytes=gathered,
+                              group=group)
 

@@ -43,6 +43,9 @@ def taco_loss(
     generator: Optional[torch.Generator] = None,
     group: Optional[dist.ProcessGroup] = None,
     pool_size: int = TACO_POOL_SIZE,
+    anchor_flat_N: Optional[torch.Tensor] = None,
+    real_flat_T: Optional[torch.Tensor] = None,
+    uniform: bool = False,
 ) -> tuple[torch.Tensor, Metrics]:
     """TACO: the global semantics g = hidden - embeddings of a token should be closer to a nearby
     token of its own sequence than to tokens of other sequences.
@@ -58,24 +61,28 @@ def taco_loss(
     input dtype. `detach=True` (paper): positives and negatives carry no gradient; `detach=False`:
     gradients flow into them too, across ranks.
 
-    Draws come from `generator` (torch's default if None): one seed per call, rank 0's used by all
-    ranks, so R ranks draw what one process with the concatenated batch draws.
+    Draws come from `generator` (torch's default if None): one seed per call; seed it identically on
+    every rank, so R ranks draw what one process with the concatenated batch draws.
     Anchors in a sequence with a single real token (no positive) or with no other-sequence row in
     the pool are left out and counted in "num_skipped".
 
     In: hidden_BLD, embeddings_BLD [B, L, D] (HF hidden_states[-1] and hidden_states[0]);
-    attention_mask_BL [B, L] nonzero for real tokens; masked_BL bool [B, L].
+    attention_mask_BL [B, L] nonzero for real tokens; masked_BL bool [B, L]. Optional, from the
+    collator, so that nothing is read back from the device: `anchor_flat_N` (the anchors' flat
+    positions, ascending, in the chosen `anchors` set) and `real_flat_T` (the real tokens'), int64;
+    `uniform=True`: the caller's promise that every rank holds B sequences of L real tokens and every
+    token is an anchor (packed blocks): then no layout travels between ranks.
     Out: (loss, metrics) with "loss", "acc", "num_anchors", "num_skipped", "gathered_bytes".
     """
     with fp32_only(hidden_BLD):
         return _taco_loss(hidden_BLD, embeddings_BLD=embeddings_BLD, attention_mask_BL=attention_mask_BL,
                           anchors=anchors, masked_BL=masked_BL, window=window, num_negatives=num_negatives,
                           temperature=temperature, detach=detach, generator=generator, group=group,
-                          pool_size=pool_size)
+                          pool_size=pool_size, anchor_flat_N=anchor_flat_N, real_flat_T=real_flat_T, uniform=uniform)
 
 
 def _taco_loss(hidden_BLD, *, embeddings_BLD, attention_mask_BL, anchors, masked_BL, window, num_negatives,
-               temperature, detach, generator, group, pool_size):
+               temperature, detach, generator, group, pool_size, anchor_flat_N, real_flat_T, uniform):
     check_pair("taco_loss", hidden_BLD, "embeddings_BLD", embeddings_BLD, attention_mask_BL)
     if anchors not in _TACO_ANCHORS:
         raise ValueError(f"taco_loss: anchors must be one of {_TACO_ANCHORS}, got {anchors!r}")
@@ -93,16 +100,23 @@ def _taco_loss(hidden_BLD, *, embeddings_BLD, attention_mask_BL, anchors, masked
         raise ValueError(f"taco_loss: pool_size must be >= 1, got {pool_size}")
     B, L, D = hidden_BLD.shape
     real_BL = attention_mask_BL != 0
-    if anchors == "all":
-        chosen_BL = real_BL
-    else:
-        chosen_BL = real_BL & (masked_BL if anchors == "masked" else ~masked_BL)
     has_positive_B = real_BL.sum(1) >= 2
-    anchor_BL = chosen_BL & has_positive_B[:, None]
-    skipped = (chosen_BL & ~has_positive_B[:, None]).sum()
-    anchor_flat_N = anchor_BL.reshape(-1).nonzero().squeeze(1)
-    layout = gather_layout(sequences=B, tokens=int(real_BL.sum()), anchors=len(anchor_flat_N),
-                           seed=draw_seed(generator), group=group)
+    if anchor_flat_N is None:  # a direct call: find the anchors on the device
+        if anchors == "all":
+            chosen_BL = real_BL
+        else:
+            chosen_BL = real_BL & (masked_BL if anchors == "masked" else ~masked_BL)
+        anchor_BL = chosen_BL & has_positive_B[:, None]
+        skipped = (chosen_BL & ~has_positive_B[:, None]).sum()
+        anchor_flat_N = anchor_BL.reshape(-1).nonzero().squeeze(1)
+        positive_ok_N = None
+    else:  # the collator's anchors: those without a positive stay, marked, and count as skipped
+        positive_ok_N = has_positive_B.index_select(0, anchor_flat_N // L)
+        skipped = (~positive_ok_N).sum()
+    if real_flat_T is None:
+        real_flat_T = real_BL.reshape(-1).nonzero().squeeze(1)
+    layout = gather_layout(sequences=B, tokens=real_flat_T.shape[0], anchors=anchor_flat_N.shape[0],
+                           seed=draw_seed(generator), group=group, tokens_per_sequence=L if uniform else None)
     if sum(layout.sequences) < 2:
         raise ValueError(
             f"taco_loss: negatives come from other sequences, but the batch holds {sum(layout.sequences)} "
@@ -110,13 +124,14 @@ def _taco_loss(hidden_BLD, *, embeddings_BLD, attention_mask_BL, anchors, masked
         )
 
     hidden_MD, embeddings_MD = hidden_BLD.reshape(B * L, D), embeddings_BLD.reshape(B * L, D)
-    draw = draw_pool(real_BL=real_BL, layout=layout, pool_size=pool_size)
+    draw = draw_pool(real_flat_T=real_flat_T, width=L, layout=layout, pool_size=pool_size)
     with torch.set_grad_enabled(torch.is_grad_enabled() and not detach):
-        pool_rows_nD = (hidden_MD[draw.flat_n].float() - embeddings_MD[draw.flat_n].float()).to(hidden_BLD.dtype)
+        pool_rows_nD = (hidden_MD.index_select(0, draw.flat_n).float()
+                        - embeddings_MD.index_select(0, draw.flat_n).float()).to(hidden_BLD.dtype)
     pool = gather_pool(pool_rows_nD, draw=draw, group=group, autograd=not detach)
     pool_PD = F.normalize(pool.vectors_PD.float(), dim=-1)
 
-    u_NC = anchor_uniforms(layout.seed, start=layout.anchor_offset, count=len(anchor_flat_N),
+    u_NC = anchor_uniforms(layout.seed, start=layout.anchor_offset, count=anchor_flat_N.shape[0],
                            columns=2 + num_negatives, device=hidden_BLD.device)
     positive_flat_N = positive_positions(u_NC[:, :2], anchor_flat_N=anchor_flat_N, real_BL=real_BL,
                                          window=window)
@@ -126,8 +141,12 @@ def _taco_loss(hidden_BLD, *, embeddings_BLD, attention_mask_BL, anchors, masked
     loss_N, correct_N = taco_anchor_losses(hidden_MD, embeddings_MD, pool_PD, anchor_N=anchor_flat_N,
                                            positive_N=positive_flat_N, negative_NK=negative_NK,
                                            temperature=temperature, detach=detach)
-    skipped = skipped + (~has_negatives_N).sum()
-    gathered = layout_bytes(layout.world_size) + pool.gathered_bytes
-    return share_across_ranks(loss_N, correct_N=correct_N, valid_N=has_negatives_N, skipped=skipped,
-                               world_size=layout.world_size, gathered_bytes=gathered, group=group)
+    valid_N = has_negatives_N if positive_ok_N is None else has_negatives_N & positive_ok_N
+    no_negative_N = ~has_negatives_N
+    if positive_ok_N is not None:
+        no_negative_N = no_negative_N & positive_ok_N  # an anchor without a positive is counted once
+    skipped = skipped + no_negative_N.sum()
+    gathered = layout_bytes(layout) + pool.gathered_bytes
+    return share_across_ranks(loss_N, correct_N=correct_N, valid_N=valid_N, skipped=skipped, gathered_bytes=gathered,
+                              group=group)
 

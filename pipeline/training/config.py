@@ -65,6 +65,8 @@ class ModelArgs:
     mlm_head: str = cli.knob("masked", "masked: the vocabulary projection runs on masked rows only; full: on every "
                              "row as HF's BertForMaskedLM does (an ablation: same loss, more FLOPs)",
                              choices=("masked", "full"))
+    compile: str = cli.knob("auto", "torch.compile the encoder layers; auto = on CUDA", choices=("auto", "on", "off"),
+                            math=False)
 
 
 @dataclass
@@ -76,7 +78,11 @@ class DataArgs:
     data_weights: Optional[list[float]] = cli.knob(None, "mixing weights, one per --data, e.g. 0.5,0.5",
                                                    parse=_positive_floats)
     cache_dir: Optional[str] = cli.knob(None, "local cache root for remote shards (per job)", math=False)
-    num_workers: int = cli.knob(2, "data-loader workers per rank", math=False)
+    num_workers: Optional[int] = cli.knob(None, "data-loader workers per rank (default: the cores per rank, less "
+                                                "one, at most 8)", math=False)
+    nsp_padding: str = cli.knob("remove", "NSP batches: remove = one unpadded token stream split by cu_seqlens "
+                                          "(varlen attention); keep = right-padded [B, L] (the reference path)",
+                                choices=("remove", "keep"), math=False)
     mask_prob: float = cli.knob(0.15, "share of the maskable tokens chosen for MLM")
     whole_word_masking: bool = cli.knob(False, "mask whole words (the shards' stored word_starts)")
     max_seq_len: Optional[int] = cli.knob(None, "only needed for shards without build_manifest.json")
@@ -132,6 +138,8 @@ class RunArgs:
     dist_timeout_s: float = cli.knob(600.0, "a collective waits at most this long (a dead rank fails the others)",
                                      math=False)
     log_every: int = cli.knob(10, "metrics line every N steps", math=False)
+    control_every: int = cli.knob(10, "every N steps (and at log steps) the ranks agree on pre-emption and on the "
+                                      "non-finite limit: one small collective", math=False)
     max_nonfinite: int = cli.knob(5, "abort after N NaN/inf losses in a row", math=False)
     trace_samples: bool = cli.knob(False, "write RUN/sample_trace.jsonl: the sample ids of every step", math=False)
     peak_tflops: Optional[float] = cli.knob(None, "device peak for MFU (default: built-in table)", math=False)
@@ -249,14 +257,15 @@ def validate(cfg: TrainConfig) -> None:
     if r.stop_after_step is not None and not 1 <= r.stop_after_step <= s.max_steps:
         raise UsageError(f"--stop_after_step must be in [1, --max_steps={s.max_steps}], got {r.stop_after_step}")
     for flag, value in (("--save_every", r.save_every), ("--keep_checkpoints", r.keep_checkpoints),
-                        ("--log_every", r.log_every), ("--max_nonfinite", r.max_nonfinite)):
+                        ("--log_every", r.log_every), ("--max_nonfinite", r.max_nonfinite),
+                        ("--control_every", r.control_every)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     if not r.dist_timeout_s > 0:
         raise UsageError(f"--dist_timeout_s must be > 0, got {r.dist_timeout_s}")
     if not 0 < d.mask_prob < 1:
         raise UsageError(f"--mask_prob must be in (0, 1), got {d.mask_prob}")
-    if d.num_workers < 0:
+    if d.num_workers is not None and d.num_workers < 0:
         raise UsageError(f"--num_workers must be >= 0, got {d.num_workers}")
     if d.data_weights is not None:
         if len(d.data_weights) != len(d.data):

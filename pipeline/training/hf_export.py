@@ -73,13 +73,14 @@ def verify_export(net: Any, export_dir: str | Path, *, batch: dict[str, Any], dt
     (up to `SAME_DTYPE_TOLERANCE_ULPS` bf16/fp16 steps, for kernels that may reorder sums); in fp32
     they differ by the engine dtype's rounding. Writes `out`.json (the differences) and `out`.pt (the
     inputs and the engine's logits). Raises RuntimeError when the same-dtype logits differ more.
-    In: batch with [B, L] original_ids, token_type_ids, attention_mask.
+    In: a collated batch (pipeline.data.collator), any layout.
     """
     from transformers import AutoModelForMaskedLM
 
+    from pipeline.data.collator import grid_inputs
+
     device = next(net.parameters()).device
-    inputs = {"input_ids": batch["original_ids"].to(device), "token_type_ids": batch["token_type_ids"].to(device),
-              "attention_mask": batch["attention_mask"].to(device)}
+    inputs = {k: v.to(device) for k, v in grid_inputs(batch).items()}
     real_BL = inputs["attention_mask"].bool()
     was_training = net.training
     net.eval()

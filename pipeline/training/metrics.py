@@ -75,13 +75,21 @@ def memory_gb(device: torch.device) -> tuple[float, str]:
 
 
 class Meter:
-    """Sums over the micro-batches of a logging interval; `reduce` averages the losses and sums the
-    counts over ranks (one collective, called by every rank on the same steps)."""
+    """Sums over the micro-batches of a logging interval. The loss terms stay on the device (adding
+    them reads nothing back); the counts are host numbers. `reduce` averages the terms over the
+    finite micro-batches of all ranks and sums the counts: one collective and one device read, at
+    log steps only (every rank calls it on the same steps)."""
 
     COUNTS = ("tokens", "samples", "flops")
 
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
+    def __init__(self, keys: list[str], device: torch.device) -> None:
+        self.keys = list(keys)
+        self.device = device
+        self._restart()
+
+    def _restart(self) -> None:
+        self.sums = torch.zeros(len(self.keys) + 1, dtype=torch.float64, device=self.device)  # + finite count
+        self.counts = dict.fromkeys(self.COUNTS, 0.0)
         self.micro = 0
         self.steps = 0
         self.t0 = time.perf_counter()
@@ -90,21 +98,25 @@ class Meter:
     def exclude(self, seconds: float) -> None:
         self.excluded += seconds
 
-    def add(self, values: dict[str, torch.Tensor], *, tokens: int, samples: int, flops: float) -> None:
-        for k, v in values.items():
-            self.sums[k] = self.sums.get(k, 0.0) + float(v)
+    def add(self, values: dict[str, torch.Tensor], *, ok: torch.Tensor, tokens: int, samples: int,
+            flops: float) -> None:
+        """One micro-batch: its terms (device or CPU scalars) count where `ok` (a device bool) holds."""
+        terms = torch.stack([values[k].to(self.device, torch.float64) for k in self.keys] + [ok.to(torch.float64)])
+        self.sums += torch.where(ok, terms, torch.zeros_like(terms))
         for k, v in (("tokens", tokens), ("samples", samples), ("flops", flops)):
-            self.sums[k] = self.sums.get(k, 0.0) + v
+            self.counts[k] += v
         self.micro += 1
 
-    def reduce(self, keys: list[str]) -> tuple[dict[str, float], float, int]:
-        """(means of losses / sums of counts over ranks, seconds, steps) since the last reduce."""
+    def reduce(self) -> tuple[dict[str, float], float, int]:
+        """({term: mean over the finite micro-batches of all ranks, count: sum over ranks}, seconds, steps)
+        since the last reduce."""
         elapsed, steps = max(time.perf_counter() - self.t0 - self.excluded, 1e-9), self.steps
-        local = torch.tensor([self.sums.get(k, 0.0) for k in keys] + [float(self.micro)], dtype=torch.float64)
-        summed = distributed.sum_over_ranks(local).tolist()
-        micro_all = max(summed[-1], 1.0)
-        out = {k: (v if k in self.COUNTS else v / micro_all) for k, v in zip(keys, summed)}
-        self.sums, self.micro, self.steps, self.t0, self.excluded = {}, 0, 0, time.perf_counter(), 0.0
+        counts = torch.tensor([self.counts[k] for k in self.COUNTS], dtype=torch.float64).to(self.device)
+        summed = distributed.sum_over_ranks(torch.cat([self.sums, counts])).tolist()
+        terms, finite, totals = summed[:len(self.keys)], summed[len(self.keys)], summed[len(self.keys) + 1:]
+        out = {k: v / max(finite, 1.0) for k, v in zip(self.keys, terms)}
+        out.update(zip(self.COUNTS, totals))
+        self._restart()
         return out, elapsed, steps
 
 

@@ -47,7 +47,7 @@ def save(run: "Run") -> Path:
         from pipeline.modeling.teacher import fingerprint
 
         # The frozen teacher must be exactly the initial encoder at every checkpoint.
-        assert fingerprint(run.teacher) == run.teacher_print, "the TaCL teacher's weights changed during training"
+        assert fingerprint(run.teacher.bert) == run.teacher_print, "the TaCL teacher's weights changed during training"
     client = {"step": run.step, "loader": run.loader.state_dict(), "skipped_micro_batches": run.skipped,
               "rng": distributed.all_gather_object(rng_states()), "world_size": distributed.world_size(),
               "teacher_fingerprint": run.teacher_print, "config": run.resolved}

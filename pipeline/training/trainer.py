@@ -10,8 +10,11 @@ micro-batch. With the data loader's state in the checkpoint, a resumed run sees 
 and computes the same losses as the uninterrupted one (the RNG states are saved too, for anything
 else that draws).
 
-Lockstep: every rank takes the same decisions together (one small all-reduce per micro-batch):
-skip a non-finite micro-batch, stop at a pre-emption signal.
+The step reads nothing back from the device and calls no collective of its own (beyond the
+losses'): metrics accumulate on the device and reach the host at --log_every steps; a non-finite
+loss is neutralised on the device (pipeline.training.nonfinite); every rank takes the decisions that
+need agreement (stop at a pre-emption signal, abort after --max_nonfinite in a row) together at
+control steps (--control_every and every log step), with one small collective of host numbers.
 
 Legend: B sequences per micro-batch, L positions.
 """
@@ -24,7 +27,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -33,10 +36,12 @@ from pipeline import distributed
 from pipeline.data.collator import MaskingCollator
 from pipeline.data.loader import build_loader, shutdown_loader
 from pipeline.data.masking import MaskingSpec
+from pipeline.modeling.encoder import Encoder
 from pipeline.data.shards import run_key
 from pipeline.training import checkpoint, log, state
 from pipeline.training.config import RECORD_KEYS
 from pipeline.training.metrics import FlopsModel, Meter, MetricsWriter, device_peak_flops, memory_gb, progress_bar
+from pipeline.training.nonfinite import NonfiniteGuard
 from pipeline.training.objectives import StepLosses, compute_losses, metric_keys
 from pipeline.training.preflight import Prepared
 
@@ -70,7 +75,7 @@ class PreemptionFlag:
             self.term = True
 
 
-def build_student(prep: Prepared):
+def build_student(prep: Prepared, *, compile: bool = False):
     """The student (from scratch with the run's seed, or --init_from) and the lines to report."""
     from transformers import BertForPreTraining
 
@@ -83,7 +88,7 @@ def build_student(prep: Prepared):
     else:
         net = BertForPreTraining(prep.bert_config)
         lines = [f"model {prep.cfg.model.model_config}: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M parameters"]
-    return Student(net, full_head=prep.cfg.model.mlm_head == "full"), lines
+    return Student(net, full_head=prep.cfg.model.mlm_head == "full", compile=compile), lines
 
 
 def engine_dtype(engine: Any) -> torch.dtype:
@@ -100,7 +105,7 @@ class Run:
 
     prep: Prepared
     engine: Any
-    teacher: Optional[torch.nn.Module]
+    teacher: Optional[Encoder]  # TaCL's frozen teacher, run by the same encoder code
     teacher_print: Optional[str]
     loader: Any
     dtype: torch.dtype
@@ -110,8 +115,10 @@ class Run:
     resolved: dict[str, Any]
     flops: FlopsModel
     peak: Optional[float]
+    guard: Optional[NonfiniteGuard] = None
     step: int = 0
-    skipped: int = 0  # non-finite micro-batches skipped so far
+    skipped: int = 0  # non-finite micro-batches neutralised so far, over all ranks (as of the last control step)
+    skipped_at_start: int = 0  # ... when this process started (from the checkpoint)
     last_batch: Optional[dict[str, torch.Tensor]] = field(default=None, repr=False)
 
     @property
@@ -119,8 +126,10 @@ class Run:
         return Path(self.prep.cfg.run.save_dir)
 
 
-def setup(prep: Prepared) -> Run:
-    """Process group, student, teacher, engine, loader; resumes from the latest checkpoint if asked."""
+def setup(prep: Prepared, *, batches: Optional[Any] = None) -> Run:
+    """Process group, student, teacher, engine, loader; resumes from the latest checkpoint if asked.
+    `batches`: an iterable of collated batches to use instead of the streaming loader (the GPU
+    benchmark's synthetic samples through the real collator)."""
     import deepspeed
 
     from pipeline.modeling.bert_config import non_embedding_params
@@ -129,20 +138,24 @@ def setup(prep: Prepared) -> Run:
 
     cfg = prep.cfg
     distributed.normalize_launch_env()
-    distributed.init_process_group(backend=distributed.default_backend(), timeout_s=cfg.run.dist_timeout_s)
+    # The GPU first, so that NCCL binds this rank's (a Slurm task bound to one GPU sees only it).
+    gpu = distributed.gpu_for_this_rank()
+    if gpu is not None:
+        torch.cuda.set_device(gpu)
     distributed.bound_new_group_timeouts(timeout_s=cfg.run.dist_timeout_s)
+    distributed.init_process_group(backend=distributed.default_backend(), timeout_s=cfg.run.dist_timeout_s,
+                                   device=gpu)
     local = distributed.local_rank()
     log.every_rank(f"rank {distributed.rank()} of world_size {distributed.world_size()} (local_rank {local}, "
                    f"host {distributed.hostname()})")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local)
-    elif "OMP_NUM_THREADS" not in os.environ:
+    if gpu is None and "OMP_NUM_THREADS" not in os.environ:
         # Ranks sharing a CPU would each start a thread per core and thrash.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // distributed.local_world_size()))
     for note in cfg.notes + prep.resume_notes:
         log.info(note)
 
-    student, init_lines = build_student(prep)
+    compile_encoder = cfg.model.compile == "on" or (cfg.model.compile == "auto" and gpu is not None)
+    student, init_lines = build_student(prep, compile=compile_encoder)
     for line in init_lines:
         log.info(line)
     # The teacher is the student's *initial* encoder: copy it before the engine trains or casts it.
@@ -156,16 +169,17 @@ def setup(prep: Prepared) -> Run:
     if teacher is not None:
         teacher = teacher.to(device=device, dtype=dtype)
         check_teacher(teacher, student)
+    guard = NonfiniteGuard(device)
+    guard.install(engine.module)
 
-    tok = prep.tokenizer
-    spec = MaskingSpec(mask_token_id=tok.mask_token_id, special_ids=tuple(sorted(set(tok.all_special_ids))),
-                       vocab_size=len(tok), mask_prob=cfg.data.mask_prob, whole_word=cfg.data.whole_word_masking)
-    collator = MaskingCollator(spec=spec, pad_id=tok.pad_token_id, seed=cfg.run.seed, nsp=prep.use_nsp,
-                               max_seq_len=prep.data.max_seq_len or prep.bert_config.max_position_embeddings)
-    loader = build_loader(prep.data, weights=cfg.data.data_weights, micro_batch=micro, collator=collator,
-                          vocab_size=len(tok), seed=cfg.run.seed, num_workers=cfg.data.num_workers,
-                          num_canonical_nodes=cfg.data.num_canonical_nodes, run_id=run_key(cfg.run.save_dir),
-                          pin_memory=device.type == "cuda", timeout_s=cfg.run.dist_timeout_s)
+    if batches is None:
+        workers = cfg.data.num_workers if cfg.data.num_workers is not None else default_workers()
+        loader = build_loader(prep.data, weights=cfg.data.data_weights, micro_batch=micro, collator=make_collator(prep),
+                              vocab_size=len(prep.tokenizer), seed=cfg.run.seed, num_workers=workers,
+                              num_canonical_nodes=cfg.data.num_canonical_nodes, run_id=run_key(cfg.run.save_dir),
+                              pin_memory=device.type == "cuda", timeout_s=cfg.run.dist_timeout_s)
+    else:
+        loader = batches
     world = distributed.world_size()
     record = {"deepspeed": prep.ds_config,
               "engine": {"micro_batch_per_rank": micro, "gradient_accumulation_steps": accum, "world_size": world,
@@ -178,24 +192,50 @@ def setup(prep: Prepared) -> Run:
     resolved = {**cfg.to_dict(), **record}
     layer_params, head_params = non_embedding_params(student.config)
     c = student.config
-    run = Run(prep=prep, engine=engine, teacher=teacher, teacher_print=fingerprint(teacher) if teacher is not None else None,
+    run = Run(prep=prep, engine=engine, teacher=Encoder(teacher) if teacher is not None else None,
+              teacher_print=fingerprint(teacher) if teacher is not None else None, guard=guard,
               loader=loader, dtype=dtype, device=device, micro=micro, accum=accum, resolved=resolved,
               flops=FlopsModel(layer_params=layer_params, head_params=head_params, n_layers=c.num_hidden_layers,
                                hidden=c.hidden_size, vocab=c.vocab_size, teacher=teacher is not None),
               peak=device_peak_flops(device, dtype=dtype, override_tflops=cfg.run.peak_tflops))
     if prep.resume_from is not None:
         state.resume(run, prep.resume_from[1])
+    run.skipped_at_start = run.skipped
     if distributed.is_main():
         run.save_dir.mkdir(parents=True, exist_ok=True)
         (run.save_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str) + "\n")
     return run
 
 
+def make_collator(prep: Prepared) -> MaskingCollator:
+    """The masking collator of a job: its tokenizer's specials, the data's NSP labels and length."""
+    cfg, tok = prep.cfg, prep.tokenizer
+    spec = MaskingSpec(mask_token_id=tok.mask_token_id, special_ids=tuple(sorted(set(tok.all_special_ids))),
+                       vocab_size=len(tok), mask_prob=cfg.data.mask_prob, whole_word=cfg.data.whole_word_masking)
+    return MaskingCollator(spec=spec, pad_id=tok.pad_token_id, seed=cfg.run.seed, nsp=prep.use_nsp,
+                           max_seq_len=prep.data.max_seq_len or prep.bert_config.max_position_embeddings,
+                           padding=cfg.data.nsp_padding)
+
+
+def default_workers() -> int:
+    """Loader workers per rank when --num_workers is not given: the cores this rank may use, less one
+    for the rank itself, at most 8. A Slurm task bound to its cores sees only those."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if usable >= (os.cpu_count() or 1):  # not bound: the node's cores are shared by its ranks
+        usable //= max(1, distributed.local_world_size())
+    return max(1, min(8, usable - 1))
+
+
 @dataclass
 class StepResult:
     lr: float
-    stop_signal: Optional[str]  # "SIGUSR1" | "SIGTERM" | None, agreed by all ranks
     sample_ids: list[int]
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """A collated batch on the device: tensors copied asynchronously (the loader pinned them on CUDA),
+    host values (layout, counts) as they are."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 class Batches:
@@ -213,63 +253,78 @@ class Batches:
             return next(self.it)
 
 
-def train_step(run: Run, batches: Batches, flag: PreemptionFlag, meter: Meter) -> StepResult:
-    """One optimizer step: `accum` micro-batches that reach the optimizer (non-finite ones are
-    skipped by every rank together and replaced by the next)."""
+def train_step(run: Run, batches: Batches, meter: Meter, *, mark: Optional[Callable[[str], None]] = None) -> StepResult:
+    """One optimizer step: `accum` micro-batches, each with its backward and engine.step (DeepSpeed
+    applies the optimizer on the last). A non-finite micro-batch contributes nothing (run.guard).
+    `mark(name)`, when given, is called after each phase of a micro-batch (data, forward, loss,
+    backward, optimizer), for a benchmark's step-time split."""
     cfg, engine = run.prep.cfg, run.engine
     rank = distributed.rank()
-    applied = attempt = 0
-    lr, stop, ids = 0.0, None, []
+    lr, ids = 0.0, []
     taco = cfg.objective.objective == "taco"
-    while applied < run.accum:
+    step = run.step + 1
+    for micro in range(run.accum):
         batch = batches.next()
         if cfg.run.trace_samples:
             ids.extend(batch["sample_ids"].tolist())
-        # Dropout and the losses' draws: functions of (seed, step, micro-batch, rank).
-        torch.manual_seed(mixed_seed(cfg.run.seed, run.step, attempt, rank))
-        gen = torch.Generator().manual_seed(mixed_seed(cfg.run.seed, run.step, attempt, 1 << 20))
-        attempt += 1
-        dev = {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
-        out = engine(dev["input_ids"], dev["token_type_ids"], dev["attention_mask"], dev["masked"],
-                     with_embeddings=taco, with_nsp=run.prep.use_nsp)
+        # Dropout and the losses' draws: functions of (seed, step, micro-batch, rank); the losses'
+        # generator is the same on every rank (their draws span all ranks).
+        torch.manual_seed(mixed_seed(cfg.run.seed, run.step, micro, rank))
+        gen = torch.Generator().manual_seed(mixed_seed(cfg.run.seed, run.step, micro, 1 << 20))
+        dev = to_device(batch, run.device)
+        if mark:
+            mark("data")
+        out = engine(dev, with_embeddings=taco, with_nsp=run.prep.use_nsp)
+        if mark:
+            mark("forward")
         res = compute_losses(run.prep, out, dev, teacher=run.teacher, generator=gen)
-        if run.step + 1 in cfg.run.debug_nan_steps and rank == cfg.run.debug_nan_rank \
-                and attempt <= cfg.run.debug_nan_attempts:
+        if step in cfg.run.debug_nan_steps and rank == cfg.run.debug_nan_rank and micro < cfg.run.debug_nan_attempts:
             res = StepLosses(total=res.total * float("nan"), values={**res.values, "loss": res.values["loss"] * float("nan")})
-        bad, usr1, term = distributed.any_rank_flags([not bool(torch.isfinite(res.values["loss"])), flag.usr1, flag.term])
-        stop = "SIGUSR1" if usr1 else "SIGTERM" if term else None
-        run.last_batch = dev
-        if bad:
-            # Every rank skips this micro-batch (no backward, no step): the ranks stay in lockstep
-            # and the optimizer never sees the NaN.
-            run.skipped += 1
-            streak = attempt - applied
-            log.warning(f"non-finite loss at step {run.step + 1}: micro-batch skipped ({streak} in a row)")
-            if streak >= cfg.run.max_nonfinite:
-                raise RuntimeError(f"loss was NaN/inf for {streak} micro-batches in a row, the last at step "
-                                   f"{run.step + 1}: stopping (--max_nonfinite {cfg.run.max_nonfinite}). Lower --lr, "
-                                   f"check the data, or resume from the last checkpoint")
-            continue
-        engine.backward(res.total)
-        if applied == run.accum - 1:
-            lr = float(engine.get_lr()[0])  # the rate this optimizer step uses
+        total = run.guard.check(res.total, step=step)
+        if mark:
+            mark("loss")
+        engine.backward(total)
+        if mark:
+            mark("backward")
+        if micro == run.accum - 1:
+            lr = float(engine.get_lr()[0])  # the rate this optimizer step uses (a host number)
         engine.step()
-        applied += 1
-        lengths = batch["attention_mask"].sum(1)
-        tokens = int(lengths.sum())
+        if mark:
+            mark("optimizer")
         # The vocabulary projection's rows: the masked ones, or every real one for the full head.
-        head_rows = tokens if cfg.model.mlm_head == "full" else int(batch["masked"].sum())
-        meter.add(res.values, tokens=tokens, samples=len(lengths),
-                  flops=run.flops.batch_flops(tokens=tokens, sum_len_sq=int((lengths ** 2).sum()), masked=head_rows))
+        head_rows = batch["num_tokens"] if cfg.model.mlm_head == "full" else batch["num_masked"]
+        meter.add(res.values, ok=run.guard.ok, tokens=batch["num_tokens"], samples=batch["num_sequences"],
+                  flops=run.flops.batch_flops(tokens=batch["num_tokens"], sum_len_sq=batch["sum_len_sq"],
+                                              masked=head_rows))
+        run.last_batch = dev
     run.step += 1
     meter.steps += 1
-    return StepResult(lr=lr, stop_signal=stop, sample_ids=ids)
+    return StepResult(lr=lr, sample_ids=ids)
+
+
+def control(run: Run, flag: PreemptionFlag) -> Optional[str]:
+    """The decisions every rank takes together (one small collective of host numbers; one device read
+    of the guard's counters): returns the pre-emption signal to stop for, or None. Raises when the
+    loss was non-finite --max_nonfinite micro-batches in a row on some rank."""
+    rows = distributed.all_gather_ints([int(flag.usr1), int(flag.term), *run.guard.read()])
+    usr1, term, worst, last_step = (max(r[i] for r in rows) for i in range(4))
+    skipped = run.skipped_at_start + sum(r[4] for r in rows)
+    if skipped > run.skipped:
+        log.warning(f"non-finite loss at step {last_step}: micro-batch neutralised ({skipped - run.skipped} since "
+                    f"the last check, {worst} in a row at most)")
+        run.skipped = skipped
+    limit = run.prep.cfg.run.max_nonfinite
+    if worst >= limit:
+        raise RuntimeError(f"loss was NaN/inf for {worst} micro-batches in a row, the last at step {last_step}: "
+                           f"stopping (--max_nonfinite {limit}). Lower --lr, check the data, or resume from the last "
+                           f"checkpoint")
+    return "SIGUSR1" if usr1 else "SIGTERM" if term else None
 
 
 def log_record(run: Run, meter: Meter, *, lr: float) -> dict[str, Any]:
     """The metrics line of the interval since the last one (a collective: every rank calls it)."""
-    keys = metric_keys(run.prep.cfg.objective.objective, nsp=run.prep.use_nsp)
-    vals, elapsed, steps = meter.reduce(keys + list(Meter.COUNTS))
+    vals, elapsed, steps = meter.reduce()
+    keys = meter.keys
     mem, mem_kind = memory_gb(run.device)
     grad_norm = run.engine.get_global_grad_norm()
     flops_per_s = vals["flops"] / elapsed
@@ -317,31 +372,36 @@ def train(prep: Prepared) -> int:
 def loop(run: Run, flag: PreemptionFlag, *, writer: MetricsWriter, bar: Any) -> Optional[str]:
     """Train to max_steps. Returns None when done, else why it stopped early (after saving)."""
     cfg = run.prep.cfg
-    batches, meter = Batches(run.loader), Meter()
+    batches, meter = Batches(run.loader), Meter(metric_keys(cfg.objective.objective, nsp=run.prep.use_nsp), run.device)
     run.engine.train()
     while run.step < cfg.schedule.max_steps:
-        res = train_step(run, batches, flag, meter)
+        res = train_step(run, batches, meter)
         if bar is not None:
             bar.update(1)
         if cfg.run.trace_samples:
             writer.trace(run.step, distributed.all_gather_object(res.sample_ids))
+        last = run.step == cfg.schedule.max_steps
+        log_step = run.step % cfg.run.log_every == 0 or last
+        save_step = run.step % cfg.run.save_every == 0 or last
+        chunk_end = run.step == cfg.run.stop_after_step and not last
+        signal_name = None
+        if log_step or save_step or chunk_end or run.step % cfg.run.control_every == 0:
+            signal_name = control(run, flag)
         # At max_steps the run simply ends (saved, exported) whatever asked it to stop.
-        more = run.step < cfg.schedule.max_steps
-        signalled = res.stop_signal is not None and more
-        chunk_end = run.step == cfg.run.stop_after_step and more
+        signalled = signal_name is not None and not last
         stopping = signalled or chunk_end
-        if run.step % cfg.run.log_every == 0 or run.step == cfg.schedule.max_steps or stopping:
+        if log_step or stopping:
             record = log_record(run, meter, lr=res.lr)
             writer.log(record)
             if bar is not None:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
-        if run.step % cfg.run.save_every == 0 or run.step == cfg.schedule.max_steps or stopping:
+        if save_step or stopping:
             t0 = time.perf_counter()
             state.save(run)
             meter.exclude(time.perf_counter() - t0)  # throughput counts training, not checkpoints
         if signalled:
-            log.info(f"pre-emption signal {res.stop_signal}: saved checkpoint at step {run.step}, exiting 0")
-            return res.stop_signal
+            log.info(f"pre-emption signal {signal_name}: saved checkpoint at step {run.step}, exiting 0")
+            return signal_name
         if chunk_end:
             log.info(f"stopped after step {run.step} (--stop_after_step): saved checkpoint, exiting 0")
             return "--stop_after_step"
@@ -357,7 +417,7 @@ def finish(run: Run) -> None:
         export(checkpoint.latest_checkpoint(run.save_dir)[1], cfg.run.export_dir)
         batch = run.last_batch
         if batch is None:  # nothing trained in this process (resumed at max_steps)
-            batch = {k: v.to(run.device) for k, v in next(iter(run.loader)).items()}
+            batch = to_device(next(iter(run.loader)), run.device)
         check = verify_export(run.engine.module.net, cfg.run.export_dir, batch=batch, dtype=run.dtype,
                               out=run.save_dir / "export_check")
         log.info(f"exported the student to {cfg.run.export_dir} (logits vs the engine: max |diff| "

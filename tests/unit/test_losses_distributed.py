@@ -127,12 +127,14 @@ def two_ranks(tmp_path_factory):
 
 
 def expected_bytes(s: Scenario, full: dict, ranks_rows: list) -> int:
-    """Layout all-gather + the pool all-gather (rows padded to the busiest rank, D values in the input
-    dtype plus an int64 sequence id) + the 4-float64 metrics reduction."""
-    total = WORLD * 4 * 8 + 4 * 8
+    """The 4-float64 metrics reduction, and for the losses with a pool: the layout all-gather (4 int64
+    per rank) + the pool all-gather (rows padded to the busiest rank, D values in the input dtype plus
+    an int64 sequence id). TaCL without a pool gathers no layout."""
+    total = 4 * 8
     pool_size = (s.loss_kwargs.get("pool_size", TACO_POOL_SIZE) if s.kind == "taco"
                  else s.loss_kwargs.get("num_pool", 0))
     if pool_size:
+        total += WORLD * 4 * 8
         tokens = [int(full["attention"][rows].sum()) for rows in ranks_rows]
         seed = loss_sampling.draw_seed(torch.Generator().manual_seed(GENERATOR_SEED))
         picks = loss_sampling.pool_token_indices(sum(tokens), pool_size, seed=seed, device=torch.device("cpu"))
