@@ -12,7 +12,6 @@ import os
 import re
 import socket
 import warnings
-import zlib
 from typing import Optional, Sequence
 
 import torch
@@ -47,10 +46,11 @@ def first_host(nodelist: str) -> str:
 
 
 def master_port_for_job(job_id: str) -> int:
-    """The rendezvous port of a Slurm job: a function of its id, so two jobs sharing a node do not
-    collide and every node derives the same one. The Slurm scripts ask this function too
-    (slurm/common.sh): one formula."""
-    return 20000 + zlib.crc32(str(job_id).encode()) % 20000
+    """The rendezvous port of a Slurm job, 20000 + id mod 20000: a function of its id, so two jobs
+    sharing a node do not collide, every node derives the same one, and a requeued job (same id)
+    finds it again. The Slurm scripts ask this function too (slurm/train_job.sh): one formula."""
+    digits = "".join(c for c in str(job_id) if c.isdigit())
+    return 20000 + int(digits or 0) % 20000
 
 
 def env_from_slurm() -> bool:

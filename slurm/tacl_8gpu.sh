@@ -26,7 +26,7 @@
 #   INIT_FROM        the pre-trained Hugging Face BERT folder (config.json + weights) [required]
 #   DATA             NSP shard folder(s), comma-separated [data/tacl_nsp256]
 #   SAVE_DIR         [runs/tacl-8gpu]     MAX_STEPS [150000]     SAVE_EVERY, SEED [the trainer's defaults]
-#   DS_CONFIG        [deepspeed_configs/zero2.json: micro-batch 32 x accumulation 1 x 8 = 256]
+#   DS_CONFIG        [deepspeed_configs/zero2_tacl.json: micro-batch 32 x accumulation 1 x 8 = 256, the paper's]
 #   TOKENIZER        [DATA/tokenizer]     EXPORT_DIR []     EXTRA_ARGS (e.g. --whole_word_masking) []
 #   NODES [1], GPUS_PER_NODE [8], PARTITION, ACCOUNT, TIME_LIMIT, CPU_MODE [0], DIST_TIMEOUT_S [the trainer's],
 #   PYTHON [python], LOCAL_DISK [$SLURM_TMPDIR or /tmp], MAX_REQUEUES [50], DRY_RUN [0]
@@ -57,7 +57,7 @@ REQUIRE_INIT_FROM=1
 : "${OBJECTIVE:=tacl}" "${INIT_FROM:=}" "${MODEL_CONFIG:=}"
 : "${DATA:=data/tacl_nsp256}" "${SAVE_DIR:=runs/tacl-8gpu}"
 : "${MAX_STEPS:=150000}"
-: "${DS_CONFIG:=$REPO/deepspeed_configs/zero2.json}"
+: "${DS_CONFIG:=$REPO/deepspeed_configs/zero2_tacl.json}"
 : "${PYTHON:=python}" "${LOCAL_DISK:=${SLURM_TMPDIR:-/tmp}}" "${MAX_REQUEUES:=50}"
 
 train_main "$@"

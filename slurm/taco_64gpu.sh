@@ -28,8 +28,12 @@
 #   DATA             shard folder(s) or remote URL(s), comma-separated [data/shards]
 #   DATA_WEIGHTS     mixing weights, one per DATA entry, comma-separated []
 #   SAVE_DIR         run folder on shared storage (checkpoints, metrics) [runs/taco-64gpu]
-#   MAX_STEPS        optimizer steps [500000]
-#   DS_CONFIG        DeepSpeed JSON: micro-batch, accumulation, precision, ZeRO [deepspeed_configs/zero2.json]
+#   MAX_STEPS        optimizer steps [62500: the paper's 500k steps at 2,048 sequences, in sequences seen]
+#   LR, WARMUP_STEPS peak learning rate and linear warm-up for this global batch [1e-3, 6% of MAX_STEPS]
+#   DS_CONFIG        DeepSpeed JSON: micro-batch, accumulation, precision, ZeRO
+#                    [deepspeed_configs/zero2_64gpu.json: 128 x 2 x 64 = 16,384 sequences per step,
+#                    AdamW betas (0.9, 0.98); zero2_64gpu_fp32comm.json reduces gradients in fp32]
+#   The sizing (where 64 GPUs pay off, AdamW vs LAMB at this batch): docs/scaling.md
 #   MODEL_CONFIG     tiny | base | large | path/to/bert_config.json [base]
 #   INIT_FROM        continue from a pre-trained Hugging Face BERT folder instead []
 #   TOKENIZER        tokenizer folder [DATA/tokenizer]
@@ -70,8 +74,9 @@ DEFAULT_CPUS_PER_TASK=8
 : "${CPU_MODE:=0}" "${DRY_RUN:=0}"
 : "${OBJECTIVE:=taco}"
 : "${DATA:=data/shards}" "${SAVE_DIR:=runs/taco-64gpu}"
-: "${MAX_STEPS:=500000}"
-: "${DS_CONFIG:=$REPO/deepspeed_configs/zero2.json}" "${MODEL_CONFIG:=base}"
+: "${MAX_STEPS:=62500}" "${LR:=1e-3}"
+[[ "$MAX_STEPS" =~ ^[0-9]+$ ]] && : "${WARMUP_STEPS:=$(( MAX_STEPS * 6 / 100 ))}"
+: "${DS_CONFIG:=$REPO/deepspeed_configs/zero2_64gpu.json}" "${MODEL_CONFIG:=base}"
 : "${PYTHON:=python}" "${LOCAL_DISK:=${SLURM_TMPDIR:-/tmp}}" "${MAX_REQUEUES:=50}"
 
 train_main "$@"

@@ -11,6 +11,13 @@
 # Needs from the caller: SCRIPT (its own path), DEFAULT_NODES, DEFAULT_GPUS_PER_NODE, and the
 # knob defaults (see the top of taco_64gpu.sh). Needs common.sh sourced.
 
+# srun's binding of each rank: with GPUs, to the cores nearest its GPU (its loader workers inherit
+# them); none in CPU mode. Sets BIND.
+set_binding() {
+    BIND=()
+    truthy "$CPU_MODE" || BIND=(--cpu-bind=cores --gpu-bind=closest)
+}
+
 # The rendezvous port of a job: pipeline.distributed owns the formula (a bare `srun python
 # pipeline/train.py` derives the same one).
 job_master_port() {  # JOB_ID
@@ -48,6 +55,8 @@ build_train_cmd() {
     [[ -n "${SAVE_EVERY:-}" ]] && TRAIN_CMD+=(--save_every "$SAVE_EVERY")
     [[ -n "${SEED:-}" ]] && TRAIN_CMD+=(--seed "$SEED")
     [[ -n "${DIST_TIMEOUT_S:-}" ]] && TRAIN_CMD+=(--dist_timeout_s "$DIST_TIMEOUT_S")
+    [[ -n "${LR:-}" ]] && TRAIN_CMD+=(--lr "$LR")
+    [[ -n "${WARMUP_STEPS:-}" ]] && TRAIN_CMD+=(--warmup_steps "$WARMUP_STEPS")
     [[ -n "${EXPORT_DIR:-}" ]] && TRAIN_CMD+=(--export_dir "$EXPORT_DIR")
     # EXTRA_ARGS is split on white space: flags without spaces in their values.
     local extra
@@ -59,6 +68,8 @@ check_knobs() {
     require_int MAX_STEPS "$MAX_STEPS" 1
     [[ -z "${SAVE_EVERY:-}" ]] || require_int SAVE_EVERY "$SAVE_EVERY" 1
     [[ -z "${SEED:-}" ]] || require_int SEED "$SEED" 0
+    [[ -z "${WARMUP_STEPS:-}" ]] || require_int WARMUP_STEPS "$WARMUP_STEPS" 0
+    [[ -z "${LR:-}" || "$LR" =~ ^[0-9]*[.]?[0-9]+([eE][-+]?[0-9]+)?$ ]] || die "LR=$LR is not a number"
     require_int MAX_REQUEUES "$MAX_REQUEUES" 0
     [[ -z "${DIST_TIMEOUT_S:-}" || "$DIST_TIMEOUT_S" =~ ^[0-9]+([.][0-9]+)?$ ]] ||
         die "DIST_TIMEOUT_S=$DIST_TIMEOUT_S is not a number of seconds"
@@ -96,6 +107,11 @@ export_run_env() {  # CPUS_PER_TASK
     if truthy "$CPU_MODE"; then
         # DeepSpeed's CPU accelerator; hiding the GPUs makes the trainer pick gloo over nccl.
         export DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES=""
+    else
+        # NCCL: fail a broken collective instead of hanging on it, ride out fabric hiccups, say only
+        # what is wrong (docs/scaling.md). The site's own settings (NCCL_SOCKET_IFNAME, ...) win.
+        export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+        export NCCL_IB_TIMEOUT="${NCCL_IB_TIMEOUT:-22}" NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
     fi
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$1}"
     # The srun steps must not inherit a launcher's per-process variables from the submitting shell.
@@ -129,8 +145,9 @@ dry_run() {  # NODELIST TASKS_PER_NODE CPUS_PER_TASK JOB_ID
     say "MASTER_ADDR=$master_addr MASTER_PORT=$master_port WORLD_SIZE=$world LOCAL_WORLD_SIZE=$tpn" \
         "TMPDIR=$LOCAL_DISK/tokencl-$job (on each node)"
     build_train_cmd
+    set_binding
     print_cmd srun --kill-on-bad-exit=1 --nodes="${#nodes[@]}" --ntasks="$world" --ntasks-per-node="$tpn" \
-        --cpus-per-task="$cpt" bash "$REPO/slurm/task_env.sh" "${TRAIN_CMD[@]}"
+        --cpus-per-task="$cpt" "${BIND[@]}" bash "$REPO/slurm/task_env.sh" "${TRAIN_CMD[@]}"
     print_resolved_config
     for n in "${nodes[@]}"; do
         say "node $n: RANK $((i * tpn))..$((i * tpn + tpn - 1)), LOCAL_RANK 0..$((tpn - 1))"
@@ -170,8 +187,9 @@ run_in_allocation() {
     say "$(describe_batch "$world")"
     say "MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT TMPDIR=$JOB_SCRATCH (on each node)"
     build_train_cmd
+    set_binding
     local srun_cmd=(srun --kill-on-bad-exit=1 --nodes="$nnodes" --ntasks="$world" --ntasks-per-node="$tpn"
-                    --cpus-per-task="$cpt" bash "$REPO/slurm/task_env.sh" "${TRAIN_CMD[@]}")
+                    --cpus-per-task="$cpt" "${BIND[@]}" bash "$REPO/slurm/task_env.sh" "${TRAIN_CMD[@]}")
     print_cmd "${srun_cmd[@]}"
 
     run_step_forwarding_signals "${srun_cmd[@]}"

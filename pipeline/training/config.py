@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Optional[Sequence[str]] = None) -> TrainConfig:
     """Parse the command line into a resolved TrainConfig. Malformed flags exit 2 (argparse); bad values
     raise UsageError naming the flag."""
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
     file_values = cli.load_config_file(ns.config) if ns.config else {}
     source = f"--config {ns.config}"
     cli_values = {key: cli.set_values(ns, cls) for key, cls in SECTIONS.items()}
@@ -208,9 +209,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainConfig:
         file_values = {**file_values, "model": model_file}
     parts = cli.merge_sections(SECTIONS, file_values=file_values, cli_values=cli_values, source=source,
                                ignored=RECORD_KEYS)
+    # What argparse would have refused had no --config file been possible: its usage error, exit 2.
     missing = cli.missing_required(parts)
     if missing:
-        raise UsageError(f"missing {', '.join(missing)} (give them as flags or in a --config file)")
+        parser.error(f"the following arguments are required: {', '.join(missing)} (as flags or in a --config file)")
+    m = parts["model"]
+    if (m.model_config is None) == (m.init_from is None):
+        parser.error("give exactly one of --model_config (from scratch) and --init_from (a pre-trained folder)")
     cfg = TrainConfig(**parts, print_config=ns.print_config)
     resolve_defaults(cfg)
     validate(cfg)

@@ -80,7 +80,7 @@ def test_mixing_weights_draw_from_both_languages(tmp_path_factory, shards, ds):
 def test_tacl_from_the_real_pretrained_checkpoint(tmp_path, shards):
     from transformers import BertModel
 
-    from pipeline.modeling.student import fingerprint
+    from pipeline.modeling.teacher import fingerprint
 
     ds = write_ds_config(tmp_path / "ds.json", micro=2)
     save = tmp_path / "minilm"

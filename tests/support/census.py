@@ -8,7 +8,8 @@ host read of an OnDevice value (`item`, `tolist`, `bool`, `int`, `float`, `numpy
 mask, ...) is what a GPU would stall on. DeepSpeed's own reads act on its flat buffers, which are not
 OnDevice: every host read made from DeepSpeed's code is counted instead. Collectives: every call of a
 torch.distributed collective, attributed to the code that made it (ours, Hugging Face's, DeepSpeed's)
-by the innermost such frame of the stack. Writes {"counts": {who: {what: n}}, "steps": N} per rank.
+by the innermost such frame of the stack. Writes {"counts": {who: {what: n}}, "steps": N} per rank;
+with CENSUS_SITES=1 also DeepSpeed's reads by file and line ("sites"), to find them.
 """
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ def _count(what: str, *, device_value: bool) -> None:
     who = _who()
     if device_value or who == "deepspeed":
         COUNTS[who][what] += 1
+        if who == "deepspeed" and os.environ.get("CENSUS_SITES"):
+            site = next(f for f in reversed(traceback.extract_stack()[:-2]) if "/deepspeed/" in f.filename)
+            COUNTS["sites"][f"{what}@{site.filename.split('deepspeed/')[-1]}:{site.lineno}"] += 1
 
 
 class OnDevice(torch.Tensor):

@@ -139,7 +139,7 @@ def write_ds_config(path: Path, *, micro: int = 4, accum: int = 1, bf16: bool = 
     cfg = json.loads((REPO / "deepspeed_configs" / "zero2.json").read_text())
     cfg["train_micro_batch_size_per_gpu"] = micro
     cfg["gradient_accumulation_steps"] = accum
-    cfg["bf16"] = {"enabled": bf16}
+    cfg["bf16"] = {**cfg.get("bf16", {}), "enabled": bf16}
     if not bf16:
         cfg.pop("data_types", None)
     cfg.update(extra)

@@ -89,10 +89,15 @@ def test_taco_dry_run_prints_the_64_rank_command():
     (srun,) = [line for line in out.splitlines() if line.startswith("+ srun")]
     assert "--kill-on-bad-exit=1 --nodes=8 --ntasks=64 --ntasks-per-node=8 --cpus-per-task=8" in srun
     assert f"bash {SLURM}/task_env.sh python {REPO}/pipeline/train.py" in srun
-    assert f"--ds_config {REPO}/deepspeed_configs/zero2.json --objective taco --data data/shards" in srun
-    assert "--model_config base --max_steps 500000 --save_dir runs/taco-64gpu --resume auto" in srun
+    assert f"--ds_config {REPO}/deepspeed_configs/zero2_64gpu.json --objective taco --data data/shards" in srun
+    assert "--model_config base --max_steps 62500 --save_dir runs/taco-64gpu --resume auto" in srun
+    assert "--lr 1e-3 --warmup_steps 3750" in srun  # the recipe for its global batch (docs/scaling.md)
+    assert "--cpu-bind=cores --gpu-bind=closest" in srun
     assert "WORLD_SIZE=64 LOCAL_WORLD_SIZE=8" in out and "MASTER_ADDR=node001" in out
-    assert "global batch 2048 = micro 32 x accumulation 1 x 64 ranks" in out
+    assert "global batch 16384 = micro 128 x accumulation 2 x 64 ranks" in out
+    resolved = json.loads(out[out.index("{", out.index("resolved configuration")):out.rindex("}") + 1])
+    assert resolved["schedule"] == {"max_steps": 62500, "lr": 0.001, "warmup_steps": 3750}
+    assert resolved["run"]["save_every"] == 1000 and resolved["run"]["seed"] == 0  # the trainer's defaults
     assert "node node008: RANK 56..63, LOCAL_RANK 0..7" in out
 
 
