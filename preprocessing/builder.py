@@ -43,7 +43,7 @@ def build_shards(cfg: BuildConfig) -> dict:
     processed."""
     cfg.validate()
     t0 = time.time()
-    files = resolve_inputs(cfg.inputs)
+    files = resolve_inputs(cfg.inputs, encoding_rules=cfg.encoding_rules(), exclude=Path(cfg.output))
     total_bytes = sum(f.size for f in files)
     chunk_bytes = int(cfg.chunk_mb * MB) if cfg.chunk_mb else auto_chunk_bytes(total_bytes)
     chunks = plan_chunks(files, chunk_bytes=max(1, chunk_bytes), text_field=cfg.text_field)
@@ -256,6 +256,9 @@ def _run_chunks(ray, todo: list[Chunk], *, spec: TaskSpec, tokenizer_json: str, 
             except Exception as err:
                 for ref in pending:
                     ray.cancel(ref)
+                cause = getattr(err, "cause", err)  # a RayTaskError carries the task's own exception
+                if isinstance(cause, UsageError):  # bad input, named by the task: no traceback
+                    raise UsageError(f"{cause} [{chunk.name}; finished parts are kept]") from None
                 raise RuntimeError(f"{chunk.describe()} failed; finished parts are kept, rerun with "
                                    f"--resume to continue: {err}") from err
             bar.update(chunk.nbytes)

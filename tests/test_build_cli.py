@@ -63,3 +63,9 @@ def test_script_entry_point_exits_2(tmp_path):
                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert f"no such file or directory: {missing}" in proc.stderr
+
+
+def test_unknown_encoding_exits_2(tmp_path, text_file, capsys):
+    assert main(["--input", str(text_file), "--output", str(tmp_path / "o"), "--tokenizer", "x",
+                 "--encoding", "*.txt=klingon"]) == 2
+    assert "--encoding *.txt=klingon: unknown encoding 'klingon'" in capsys.readouterr().err
