@@ -1,6 +1,8 @@
 """One chunk -> one MDS part folder: read, clean, split, tokenise, make samples, write.
 
-Runs inside a Ray task (or in-process). Works block by block (~block_mb of text), so memory
+Runs inside a Ray task (or in-process). Refuses an input that changed since the build planned it,
+and records a digest of the input bytes the part was made from (what --resume re-checks). Works
+block by block (~block_mb of text), so memory
 depends on the block size, not on the chunk or the corpus. Writes into a temporary folder and
 renames it to OUTPUT/part-XXXXX when complete, so a part folder is always whole. Returns the
 chunk's counts, never data.
@@ -23,7 +25,7 @@ from typing import Iterator
 
 import numpy as np
 
-from preprocessing.inputs import Chunk
+from preprocessing.inputs import Chunk, check_unchanged, digest, reading
 from preprocessing.mds import (COMPRESSION, HASHES, SIZE_LIMIT, LocalMDSWriter, columns_for, id_dtype_for,
                                make_fast_writer_class)
 from preprocessing.readers import ChunkReader
@@ -88,6 +90,7 @@ def process_chunk(chunk: Chunk, *, spec: TaskSpec, tokenizer_json: str) -> dict:
     """Build OUTPUT/part-XXXXX for `chunk`; return its stats (also saved as part_stats.json)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one task = one core; Ray runs the others
     t0, c0 = time.time(), time.process_time()
+    check_unchanged(chunk.file)
     encoder = _encoder(spec.tokenizer_sha256, tokenizer_json)
     out = Path(spec.output)
     tmp = out / f".tmp-{chunk.name}-{uuid.uuid4().hex[:8]}"
@@ -117,13 +120,17 @@ def process_chunk(chunk: Chunk, *, spec: TaskSpec, tokenizer_json: str) -> dict:
             state.counts["tokens_dropped_tail"] += tail_tokens
             state.counts["skipped_packed_tail"] += tail_docs
             state.docs_with_tokens -= tail_docs
+    lo, hi = reader.span or (0, chunk.file.size)
+    with reading(chunk.file):
+        source = {"span": [lo, hi], "xxh64": digest(chunk.file.path, lo, hi)}
+    check_unchanged(chunk.file)  # the digest must describe the bytes the samples came from
     shards = writer.shards
     counts = _finish_counts(reader, state)
     counts["shards"] = len(shards)
     counts["bytes"] = sum((s.get("zip_data") or s["raw_data"])["bytes"] for s in shards)
     counts["input_bytes"] = chunk.nbytes
     stats = {"chunk": chunk.name, "index": chunk.index, "file": chunk.file.path,
-             "start": chunk.start, "end": chunk.end, "counts": dict(counts),
+             "start": chunk.start, "end": chunk.end, "source": source, "counts": dict(counts),
              "wall_s": round(time.time() - t0, 3), "cpu_s": round(time.process_time() - c0, 3),
              "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
              "pid": os.getpid(), "host": socket.gethostname()}
