@@ -1,6 +1,10 @@
 """The shard builder's driver: plan the chunks, lock and prepare the output folder, prepare the
-tokenizer, run one Ray task per chunk (bounded by --num_workers), merge the parts' indexes, write
-the manifest.
+tokenizer, run one Ray task per chunk (at most --num_workers, and at most the CPUs Ray sees, at a
+time), merge the parts' indexes, write the manifest.
+
+Without --ray_address, Ray is started on this machine with no dashboard process (so no request to
+cloud metadata endpoints) and a reaper that stops its processes when the builder ends, even by
+`kill -9` (see local_ray.py for both, and for the manual clean-up).
 
 OUTPUT/ after a build:
   index.json            merged MDS index over every part-XXXXX/ (what StreamingDataset reads)
@@ -23,7 +27,7 @@ from pathlib import Path
 from typing import Iterator
 
 from preprocessing.config import OUTPUT_KEYS, BuildConfig, parse_args
-from preprocessing.errors import UsageError
+from preprocessing.errors import UsageError, note
 from preprocessing.inputs import Chunk, InputFile, auto_chunk_bytes, plan_chunks, resolve_inputs
 from preprocessing.lock import output_lock
 from preprocessing.mds import COMPRESSION, HASHES, SIZE_LIMIT, columns_for, merge_local_indexes
@@ -58,11 +62,20 @@ def build_shards(cfg: BuildConfig) -> dict:
     with output_lock(out):
         previous = prepare_output(out, overwrite=cfg.overwrite, resume=cfg.resume)
         with _ray_session(cfg) as ray:
-            workers = cfg.num_workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+            workers = _worker_slots(ray, cfg)
             _warm_up(ray, workers=workers, cfg=cfg)
             manifest = _build(ray, cfg, out=out, files=files, chunks=chunks, chunk_bytes=chunk_bytes,
                               previous=previous, workers=workers, t0=t0)
     return manifest
+
+
+def _worker_slots(ray, cfg: BuildConfig) -> int:
+    """--num_workers, capped at the CPUs Ray sees: more tasks than cores only compete for them."""
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    if cfg.num_workers and cfg.num_workers > cpus:
+        note(f"--num_workers {cfg.num_workers}: Ray sees {cpus} CPUs, so {cpus} chunk tasks run at a time")
+        return cpus
+    return cfg.num_workers or cpus
 
 
 def _build(ray, cfg: BuildConfig, *, out: Path, files: list[InputFile], chunks: list[Chunk], chunk_bytes: int,
@@ -105,7 +118,7 @@ def _build(ray, cfg: BuildConfig, *, out: Path, files: list[InputFile], chunks: 
     used = {(s["host"], s["pid"]) for s in new_stats}
     manifest.update({
         "status": "complete", "counts": counts,
-        "columns": columns_for(fmt=cfg.format, vocab_size=tok.vocab_size),
+        "columns": columns_for(fmt=cfg.format, vocab_size=tok.vocab_size), "worker_slots": workers,
         "mds": {"compression": COMPRESSION, "hashes": HASHES, "size_limit": SIZE_LIMIT},
         "chunks": len(chunks), "chunks_resumed": len(done), "workers": len(used),
         "peak_rss_mb_per_worker": max([s["peak_rss_mb"] for s in new_stats], default=0.0),
@@ -125,21 +138,25 @@ def _resolved_config(cfg: BuildConfig, chunk_bytes: int) -> dict:
 # ---- Ray ----------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _ray_session(cfg: BuildConfig) -> Iterator:
-    """Reuse an initialised Ray; else join --ray_address, or start one on this machine."""
+    """Reuse an initialised Ray; else join --ray_address, or start one on this machine (local_ray)."""
     import ray
+
+    from preprocessing.local_ray import available_cpus, local_ray
 
     if ray.is_initialized():
         yield ray
         return
-    kwargs = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+    kwargs = dict(logging_level=logging.WARNING, log_to_driver=True)
     if cfg.ray_address:
-        ray.init(address=cfg.ray_address, **kwargs)
-    else:
-        ray.init(address="local", num_cpus=cfg.num_workers or os.cpu_count(), **kwargs)
-    try:
+        ray.init(address=cfg.ray_address, include_dashboard=False, **kwargs)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+        return
+    cpus = available_cpus()
+    with local_ray(num_cpus=min(cfg.num_workers or cpus, cpus), **kwargs) as ray:
         yield ray
-    finally:
-        ray.shutdown()
 
 
 def _task_options(cfg: BuildConfig) -> dict:

@@ -1,19 +1,25 @@
-"""Issue 15's builder probes as tests, on real Ray (loopback) and real files: --resume after an
-in-place edit, the output inside the input glob, a build stopped before its manifest, and an input
-that breaks or vanishes mid-build."""
+"""Issue 15's builder probes as tests, on real Ray (loopback) and real files: two builds into one
+--output, --resume after an in-place edit, the output inside the input glob, a build stopped before
+its manifest, an input that breaks or vanishes mid-build, the worker cap, Ray's processes after a
+kill -9 of the builder, and no network request."""
 import gzip
 import json
 import os
 import random
+import re
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
-from build_helpers import (REPO, english_docs, ray_on_loopback, shard_hashes,
+from build_helpers import (REPO, config, english_docs, kill_tree, ray_on_loopback, shard_hashes,
                            small_corpus, write_bert_text)
 
-from preprocessing.builder import main
+from preprocessing.builder import build_shards, main
 
 pytestmark = pytest.mark.multiproc
 BUILD_SHARDS = str(REPO / "preprocessing" / "build_shards.py")
@@ -134,3 +140,103 @@ def test_an_input_that_breaks_or_vanishes_mid_build_is_named(ray_here, corpus, t
         watcher.join()
     assert rc == 2
     assert f"{second} (from --input en:{second}): disappeared during the build" in capsys.readouterr().err
+
+
+def test_num_workers_is_capped_at_the_cpus_ray_sees(ray_here, corpus, tmp_path, capsys):
+    m = build_shards(config(corpus, tmp_path / "many", num_workers=1000))
+    assert m.get("worker_slots") == 2 and m["workers"] <= 2
+    assert "--num_workers 1000: Ray sees 2 CPUs, so 2 chunk tasks run at a time" in capsys.readouterr().err
+
+
+def _ray_processes(pid: int) -> list:
+    import psutil
+
+    return psutil.Process(pid).children(recursive=True)
+
+
+def test_two_builds_into_one_output_and_a_kill_9(ray_here, corpus, tmp_path, capsys):
+    """Defect 2 and the orphans: while a build runs (a real one, in a subprocess), a second build
+    into its --output exits 2 naming its pid and host. Killing only the first build's driver with
+    SIGKILL leaves none of its Ray processes behind (its dashboard and runtime-env agents used to
+    linger for a minute), and a --resume takes over the lock the dead build left."""
+    import psutil
+
+    big = write_bert_text(tmp_path / "big.txt", english_docs(500, seed=3))
+    out = tmp_path / "out"
+    args = cli(corpus, [f"en:{big}"], out, "--format", "nsp", "--max_seq_len", "48", "--chunk_mb", "0.002",
+               "--num_workers", "1")
+    proc = subprocess.Popen([sys.executable, BUILD_SHARDS, *args], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    tree = []
+    try:
+        deadline = time.time() + 120
+        while not (out / "build_manifest.json").exists():  # it has started Ray and its tokenizer
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.time() < deadline, "the first build never got going"
+            time.sleep(0.02)
+        assert main(args + ["--resume"]) == 2  # it used to join in, and both exited 0
+        err = capsys.readouterr().err
+        assert f"another build is writing into it: pid {proc.pid} on host {socket.gethostname()}" in err
+        assert json.loads((out / ".build.lock").read_text())["pid"] == proc.pid
+        while len(list(out.glob("part-*/part_stats.json"))) < 2:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.time() < deadline + 120, "the first build never got going"
+            time.sleep(0.02)
+        tree = _ray_processes(proc.pid)
+        names = {p.name() for p in tree}
+        assert any("gcs_server" in n for n in names) and len(tree) >= 5, names
+        agents = [p for p in tree if "Agent" in " ".join(p.cmdline())]
+        assert agents, [p.cmdline()[:2] for p in tree]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        _, left = psutil.wait_procs(tree, timeout=20)
+        assert not left, [(p.pid, " ".join(p.cmdline())[:80]) for p in left]
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+        for p in tree:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+    finished = len(list(out.glob("part-*/part_stats.json")))
+    assert main(args + ["--resume"]) == 0
+    assert f"taking over the lock left by pid {proc.pid} on host {socket.gethostname()}" in capsys.readouterr().err
+    manifest = json.loads((out / "build_manifest.json").read_text())
+    assert manifest["status"] == "complete" and finished <= manifest["chunks_resumed"] < manifest["chunks"]
+    assert not (out / ".build.lock").exists()
+
+
+_ADDRESS = re.compile(r'sin_addr=inet_addr\("([^"]+)"\)|inet_pton\(AF_INET6, "([^"]+)"')
+
+
+def _loopback(address: str) -> bool:
+    return address.startswith("127.") or address in ("::1", "0.0.0.0", "::") or address.startswith("::ffff:127.")
+
+
+def test_a_local_build_makes_no_network_request(corpus, tmp_path):
+    """Every local build's ray.init used to connect to 169.254.169.254 and look up
+    metadata.google.internal (Ray's usage-stats dashboard module, even with
+    RAY_USAGE_STATS_ENABLED=0). Checked with strace on every process of the build: every connect()
+    goes to a Unix socket or to loopback. Also --num_workers 1000 starts only the CPUs' worth."""
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("needs strace (apt-get install strace) to record the build's connect() calls")
+    if subprocess.run([strace, "-f", "-qq", "-o", os.devnull, "true"]).returncode != 0:
+        pytest.skip("strace cannot trace here (ptrace not permitted)")
+    trace, out = tmp_path / "connect.trace", tmp_path / "out"
+    proc = subprocess.run([strace, "-f", "--seccomp-bpf", "-qq", "-e", "trace=connect", "-o", str(trace),
+                           sys.executable, BUILD_SHARDS,
+                           *cli(corpus, [f"en:{corpus.dir / 'en.txt'}"], out, "--chunk_mb", "0.004",
+                                "--num_workers", "1000")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    calls = [line for line in trace.read_text().splitlines() if "connect(" in line]
+    addresses = [a or b for line in calls for a, b in _ADDRESS.findall(line)]
+    assert any(_loopback(a) for a in addresses), "the trace saw none of Ray's own loopback traffic"
+    outside = [line for line in calls if any(not _loopback(a or b) for a, b in _ADDRESS.findall(line))]
+    assert not outside, outside[:10]
+    cpus = len(os.sched_getaffinity(0))
+    manifest = json.loads((out / "build_manifest.json").read_text())
+    assert manifest["chunks"] > cpus and manifest["workers"] <= cpus and manifest["worker_slots"] == cpus
+    assert f"--num_workers 1000: Ray sees {cpus} CPUs, so {cpus} chunk tasks run at a time" in proc.stderr
