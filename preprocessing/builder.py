@@ -109,7 +109,8 @@ def _build(ray, cfg: BuildConfig, *, out: Path, files: list[InputFile], chunks: 
                     vocab_size=tok.vocab_size)
     tokenizer_json = (out / "tokenizer" / "tokenizer.json").read_text(encoding="utf-8")
 
-    new_stats = _run_chunks(ray, todo, spec=spec, tokenizer_json=tokenizer_json, cfg=cfg, workers=workers)
+    new_stats = _run_chunks(ray, todo, plan=chunks, spec=spec, tokenizer_json=tokenizer_json, cfg=cfg,
+                            workers=workers)
     part_stats = sorted([json.loads((out / c.name / PART_STATS).read_text()) for c in done]
                         + new_stats, key=lambda s: s["index"])
     concat_rejects(out, [c.name for c in chunks], part_rejects=PART_REJECTS)
@@ -185,8 +186,8 @@ def _warm_up(ray, *, workers: int, cfg: BuildConfig) -> None:
         task.remote(bool(cfg.remote))
 
 
-def _run_chunks(ray, todo: list[Chunk], *, spec: TaskSpec, tokenizer_json: str, cfg: BuildConfig,
-                workers: int) -> list[dict]:
+def _run_chunks(ray, todo: list[Chunk], *, plan: list[Chunk], spec: TaskSpec, tokenizer_json: str,
+                cfg: BuildConfig, workers: int) -> list[dict]:
     """Run process_chunk on every chunk, at most --num_workers at a time; stats in any order."""
     from tqdm import tqdm
 
@@ -194,6 +195,7 @@ def _run_chunks(ray, todo: list[Chunk], *, spec: TaskSpec, tokenizer_json: str, 
         return []
     task = ray.remote(num_cpus=1)(process_chunk).options(**_task_options(cfg))
     tok_ref = ray.put(tokenizer_json)
+    plan_ref = ray.put(plan)
     queue = iter(todo)
     pending: dict = {}
     results: list[dict] = []
@@ -201,7 +203,7 @@ def _run_chunks(ray, todo: list[Chunk], *, spec: TaskSpec, tokenizer_json: str, 
     def submit() -> None:
         chunk = next(queue, None)
         if chunk is not None:
-            pending[task.remote(chunk, spec=spec, tokenizer_json=tok_ref)] = chunk
+            pending[task.remote(chunk, spec=spec, tokenizer_json=tok_ref, plan=plan_ref)] = chunk
 
     for _ in range(workers):
         submit()

@@ -49,6 +49,8 @@ def aggregate(part_stats: list[dict], *, fmt: str) -> dict:
     }
     if fmt == "nsp":
         counts["nsp_random_next"] = total["nsp_random_next"]
+        # Blocks with one document, whose random B segments came from other chunks' documents.
+        counts["nsp_blocks_with_donors"] = total["nsp_blocks_with_donors"]
         counts["tokens_truncated"] = total["tokens_truncated"]
     else:
         counts["tokens_dropped_tail"] = total["tokens_dropped_tail"]

@@ -1,7 +1,7 @@
 """Issue 15's builder probes as tests, on real Ray (loopback) and real files: two builds into one
 --output, --resume after an in-place edit, the output inside the input glob, a build stopped before
-its manifest, an input that breaks or vanishes mid-build, the worker cap, Ray's processes after a
-kill -9 of the builder, and no network request."""
+its manifest, an input that breaks or vanishes mid-build, NSP's random B, the worker cap, Ray's
+processes after a kill -9 of the builder, and no network request."""
 import gzip
 import json
 import os
@@ -16,8 +16,8 @@ import threading
 import time
 
 import pytest
-from build_helpers import (REPO, config, english_docs, kill_tree, ray_on_loopback, shard_hashes,
-                           small_corpus, write_bert_text)
+from build_helpers import (REPO, config, english_docs, kill_tree, ray_on_loopback, read_samples, shard_hashes,
+                           small_corpus, squash, write_bert_text)
 
 from preprocessing.builder import build_shards, main
 
@@ -140,6 +140,34 @@ def test_an_input_that_breaks_or_vanishes_mid_build_is_named(ray_here, corpus, t
         watcher.join()
     assert rc == 2
     assert f"{second} (from --input en:{second}): disappeared during the build" in capsys.readouterr().err
+
+
+def test_random_b_never_comes_from_as_document_with_small_chunks(ray_here, corpus, tmp_path):
+    """With chunks of about one document, every 'random' B used to be A's own text. B now comes
+    from another document, from the next chunks' documents when the block has no other, and the
+    samples are still the same for 1 and 3 workers."""
+    runs = {}
+    for n in (1, 3):
+        cfg = config(corpus, tmp_path / f"w{n}", inputs=[f"en:{corpus.dir / 'en.txt'}"], format="nsp",
+                     max_seq_len=64, chunk_mb=0.0005, num_workers=n, seed=3)
+        runs[n] = (build_shards(cfg), shard_hashes(tmp_path / f"w{n}"))
+    assert runs[1][1] == runs[3][1]
+    docs = [squash("".join(lines)) for lines in corpus.en]
+    cls, sep = corpus.hf.cls_token_id, corpus.hf.sep_token_id
+    checked = 0
+    for s in read_samples(tmp_path / "w1"):
+        ids = s["input_ids"].tolist()
+        mid = ids.index(sep)
+        a, b = squash(corpus.hf.decode(ids[1:mid])), squash(corpus.hf.decode(ids[mid + 1:-1]))
+        homes_a = {i for i, d in enumerate(docs) if a in d}
+        homes_b = {i for i, d in enumerate(docs) if b in d}
+        assert ids[0] == cls and homes_a and homes_b
+        if s["nsp_label"] == 1 and len(b) >= 30:  # long enough not to occur in two documents by chance
+            assert not homes_a & homes_b, (a, b)
+            checked += 1
+    assert checked > 40, checked
+    counts = runs[1][0]["counts"]
+    assert counts["nsp_blocks_with_donors"] > 20 and counts["nsp_random_next"] > 60
 
 
 def test_num_workers_is_capped_at_the_cpus_ray_sees(ray_here, corpus, tmp_path, capsys):
