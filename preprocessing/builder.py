@@ -1,6 +1,6 @@
 """The shard builder's driver: plan the chunks, lock and prepare the output folder, prepare the
 tokenizer, run one Ray task per chunk (at most --num_workers, and at most the CPUs Ray sees, at a
-time), merge the parts' indexes, write the manifest.
+time), merge the parts' indexes, write the manifest. A build that writes no sample fails (exit 2).
 
 Without --ray_address, Ray is started on this machine with no dashboard process (so no request to
 cloud metadata endpoints) and a reaper that stops its processes when the builder ends, even by
@@ -35,7 +35,7 @@ from preprocessing.output import (MANIFEST, REJECTS, check_output_path, check_re
                                   fingerprint, make_output, prepare_output, remove_stale, verify_done_parts,
                                   write_json)
 from preprocessing.process import PART_REJECTS, PART_STATS, TaskSpec, process_chunk
-from preprocessing.report import aggregate, format_summary, versions
+from preprocessing.report import aggregate, explain_no_samples, format_summary, versions
 from preprocessing.tokenization import prepare_tokenizer, training_texts
 
 MB = 1 << 20
@@ -118,7 +118,7 @@ def _build(ray, cfg: BuildConfig, *, out: Path, files: list[InputFile], chunks: 
     counts = aggregate(part_stats, fmt=cfg.format)
     used = {(s["host"], s["pid"]) for s in new_stats}
     manifest.update({
-        "status": "complete", "counts": counts,
+        "status": "complete" if counts["samples"] else "empty", "counts": counts,
         "columns": columns_for(fmt=cfg.format, vocab_size=tok.vocab_size), "worker_slots": workers,
         "mds": {"compression": COMPRESSION, "hashes": HASHES, "size_limit": SIZE_LIMIT},
         "chunks": len(chunks), "chunks_resumed": len(done), "workers": len(used),
@@ -127,6 +127,9 @@ def _build(ray, cfg: BuildConfig, *, out: Path, files: list[InputFile], chunks: 
     })
     write_json(out / MANIFEST, manifest)
     _finish_index(ray, out=out, cfg=cfg, part_names=[c.name for c in chunks])
+    if not counts["samples"]:
+        raise UsageError(f"--output {out}: the build wrote no samples: "
+                         + explain_no_samples(counts, fmt=cfg.format, max_seq_len=cfg.max_seq_len))
     return manifest
 
 

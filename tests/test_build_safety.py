@@ -1,7 +1,7 @@
 """Issue 15's builder probes as tests, on real Ray (loopback) and real files: two builds into one
 --output, --resume after an in-place edit, the output inside the input glob, a build stopped before
-its manifest, an input that breaks or vanishes mid-build, NSP's random B, the worker cap, Ray's
-processes after a kill -9 of the builder, and no network request."""
+its manifest, a build that writes nothing, an input that breaks or vanishes mid-build, NSP's random
+B, the worker cap, Ray's processes after a kill -9 of the builder, and no network request."""
 import gzip
 import json
 import os
@@ -107,6 +107,21 @@ def test_a_build_stopped_before_its_manifest_is_replaced_or_resumed(ray_here, co
     assert main(args + ["--resume"]) == 0
     assert "no chunk was finished, so the build starts over" in capsys.readouterr().err
     assert shard_hashes(out) == built
+
+
+def test_a_build_that_writes_no_sample_exits_2_saying_why(ray_here, corpus, tmp_path, capsys):
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("A short document.\n\nAnother one.\n")
+    out = tmp_path / "none"
+    assert main(cli(corpus, [f"en:{tiny}"], out, "--max_seq_len", "512")) == 2
+    err = capsys.readouterr().err
+    assert (f"--output {out}: the build wrote no samples: 2 documents read, 0 written (skipped: packed_tail 2; "
+            "rejects.jsonl lists each one); --format packed drops") in err
+    assert json.loads((out / "build_manifest.json").read_text())["status"] == "empty"
+    blank = tmp_path / "blank.txt"
+    blank.write_bytes(b"\x01\x02\n\n\x07\n")
+    assert main(cli(corpus, [f"en:{blank}"], tmp_path / "none2", "--format", "nsp")) == 2
+    assert "2 documents read, 0 written (skipped: empty 2;" in capsys.readouterr().err
 
 
 def test_an_input_that_breaks_or_vanishes_mid_build_is_named(ray_here, corpus, tmp_path, capsys):
