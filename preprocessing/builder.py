@@ -1,5 +1,10 @@
-"""The shard builder's driver: plan the chunks, prepare the output folder and the tokenizer, run one
-Ray task per chunk (bounded by --num_workers), merge the parts' indexes, write the manifest.
+"""The shard builder's driver: plan the chunks, lock and prepare the output folder, prepare the
+tokenizer, run one Ray task per chunk (at most --num_workers, and at most the CPUs Ray sees, at a
+time), merge the parts' indexes, write the manifest. A build that writes no sample fails (exit 2).
+
+Without --ray_address, Ray is started on this machine with no dashboard process (so no request to
+cloud metadata endpoints) and a reaper that stops its processes when the builder ends, even by
+`kill -9` (see local_ray.py for both, and for the manual clean-up).
 
 OUTPUT/ after a build:
   index.json            merged MDS index over every part-XXXXX/ (what StreamingDataset reads)
@@ -7,6 +12,7 @@ OUTPUT/ after a build:
   tokenizer/            the HF tokenizer folder the samples were made with
   build_manifest.json   resolved config, tokenizer hash, versions, counts, wall time, MB/s
   rejects.jsonl         every skipped line/document with file and line (or row) and reason
+  .build.lock           only while a build runs: its pid, host and start (see lock.py)
 """
 from __future__ import annotations
 
@@ -14,7 +20,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -22,16 +27,18 @@ from pathlib import Path
 from typing import Iterator
 
 from preprocessing.config import OUTPUT_KEYS, BuildConfig, parse_args
-from preprocessing.errors import UsageError
+from preprocessing.errors import UsageError, note
 from preprocessing.inputs import Chunk, InputFile, auto_chunk_bytes, plan_chunks, resolve_inputs
+from preprocessing.lock import output_lock
 from preprocessing.mds import COMPRESSION, HASHES, SIZE_LIMIT, columns_for, merge_local_indexes
+from preprocessing.output import (MANIFEST, REJECTS, check_output_path, check_resumable, concat_rejects,
+                                  fingerprint, make_output, prepare_output, remove_stale, verify_done_parts,
+                                  write_json)
 from preprocessing.process import PART_REJECTS, PART_STATS, TaskSpec, process_chunk
-from preprocessing.report import aggregate, format_summary, versions
-from preprocessing.tokenization import TokenizerInfo, prepare_tokenizer, training_texts
+from preprocessing.report import aggregate, explain_no_samples, format_summary, versions
+from preprocessing.tokenization import prepare_tokenizer, training_texts
 
 MB = 1 << 20
-MANIFEST = "build_manifest.json"
-REJECTS = "rejects.jsonl"
 # Credentials and endpoints the workers need to upload to --remote; Ray workers on other nodes do
 # not inherit the driver's environment, so these travel with the tasks.
 FORWARDED_ENV_PREFIXES = ("AWS_", "S3_", "GOOGLE_", "GCS_", "AZURE_", "OCI_", "DATABRICKS_")
@@ -43,20 +50,32 @@ def build_shards(cfg: BuildConfig) -> dict:
     processed."""
     cfg.validate()
     t0 = time.time()
-    files = resolve_inputs(cfg.inputs)
+    out = Path(cfg.output)
+    check_output_path(out)
+    files = resolve_inputs(cfg.inputs, encoding_rules=cfg.encoding_rules(), exclude=out)
     total_bytes = sum(f.size for f in files)
     chunk_bytes = int(cfg.chunk_mb * MB) if cfg.chunk_mb else auto_chunk_bytes(total_bytes)
     chunks = plan_chunks(files, chunk_bytes=max(1, chunk_bytes), text_field=cfg.text_field)
     if not chunks:
         raise UsageError(f"--input {' '.join(cfg.inputs)}: every matched file is empty")
-    out = Path(cfg.output)
-    previous = _prepare_output(out, cfg)
-    with _ray_session(cfg) as ray:
-        workers = cfg.num_workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
-        _warm_up(ray, workers=workers, cfg=cfg)
-        manifest = _build(ray, cfg, out=out, files=files, chunks=chunks, chunk_bytes=chunk_bytes,
-                          previous=previous, workers=workers, t0=t0)
+    make_output(out)
+    with output_lock(out):
+        previous = prepare_output(out, overwrite=cfg.overwrite, resume=cfg.resume)
+        with _ray_session(cfg) as ray:
+            workers = _worker_slots(ray, cfg)
+            _warm_up(ray, workers=workers, cfg=cfg)
+            manifest = _build(ray, cfg, out=out, files=files, chunks=chunks, chunk_bytes=chunk_bytes,
+                              previous=previous, workers=workers, t0=t0)
     return manifest
+
+
+def _worker_slots(ray, cfg: BuildConfig) -> int:
+    """--num_workers, capped at the CPUs Ray sees: more tasks than cores only compete for them."""
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    if cfg.num_workers and cfg.num_workers > cpus:
+        note(f"--num_workers {cfg.num_workers}: Ray sees {cpus} CPUs, so {cpus} chunk tasks run at a time")
+        return cpus
+    return cfg.num_workers or cpus
 
 
 def _build(ray, cfg: BuildConfig, *, out: Path, files: list[InputFile], chunks: list[Chunk], chunk_bytes: int,
@@ -69,18 +88,20 @@ def _build(ray, cfg: BuildConfig, *, out: Path, files: list[InputFile], chunks: 
     tok = prepare_tokenizer(tokenizer=cfg.tokenizer, train=cfg.train_tokenizer,
                             vocab_size=cfg.vocab_size, lowercase=cfg.lowercase,
                             out_dir=out / "tokenizer", texts=texts)
-    fingerprint = _fingerprint(cfg, files=files, chunk_bytes=chunk_bytes, tok=tok)
-    if previous is not None:
-        _check_resumable(previous, fingerprint=fingerprint, out=out)
-    manifest = {"status": "running", "config": _resolved_config(cfg, chunk_bytes),
-                "fingerprint": fingerprint, "tokenizer": tok.manifest(), "versions": versions(),
-                "inputs": [asdict(f) for f in files]}
-    _write_json(out / MANIFEST, manifest)
-
+    fp = fingerprint(cfg, files=files, chunk_bytes=chunk_bytes, tokenizer_sha256=tok.sha256,
+                     output_keys=OUTPUT_KEYS)
     done = [c for c in chunks if (out / c.name / PART_STATS).is_file()] if previous else []
+    if previous is not None:
+        check_resumable(previous, fingerprint=fp, out=out)
+        verify_done_parts(out, done, part_stats=PART_STATS)
+    manifest = {"status": "running", "config": _resolved_config(cfg, chunk_bytes),
+                "fingerprint": fp, "tokenizer": tok.manifest(), "versions": versions(),
+                "inputs": [asdict(f) for f in files]}
+    write_json(out / MANIFEST, manifest)
+
     done_names = {c.name for c in done}
     todo = [c for c in chunks if c.name not in done_names]
-    _remove_stale(out, keep={c.name for c in chunks})
+    remove_stale(out, keep={c.name for c in chunks}, part_stats=PART_STATS)
     spec = TaskSpec(output=str(out), remote=cfg.remote, fmt=cfg.format, max_seq_len=cfg.max_seq_len,
                     short_seq_prob=cfg.short_seq_prob, random_next_prob=cfg.random_next_prob,
                     seed=cfg.seed, text_field=cfg.text_field, block_chars=int(cfg.block_mb * 1e6),
@@ -88,66 +109,28 @@ def _build(ray, cfg: BuildConfig, *, out: Path, files: list[InputFile], chunks: 
                     vocab_size=tok.vocab_size)
     tokenizer_json = (out / "tokenizer" / "tokenizer.json").read_text(encoding="utf-8")
 
-    new_stats = _run_chunks(ray, todo, spec=spec, tokenizer_json=tokenizer_json, cfg=cfg, workers=workers)
+    new_stats = _run_chunks(ray, todo, plan=chunks, spec=spec, tokenizer_json=tokenizer_json, cfg=cfg,
+                            workers=workers)
     part_stats = sorted([json.loads((out / c.name / PART_STATS).read_text()) for c in done]
                         + new_stats, key=lambda s: s["index"])
-    _concat_rejects(out, [c.name for c in chunks])
+    concat_rejects(out, [c.name for c in chunks], part_rejects=PART_REJECTS)
     wall = time.time() - t0
     counts = aggregate(part_stats, fmt=cfg.format)
     used = {(s["host"], s["pid"]) for s in new_stats}
     manifest.update({
-        "status": "complete", "counts": counts, "columns": columns_for(fmt=cfg.format, vocab_size=tok.vocab_size),
+        "status": "complete" if counts["samples"] else "empty", "counts": counts,
+        "columns": columns_for(fmt=cfg.format, vocab_size=tok.vocab_size), "worker_slots": workers,
         "mds": {"compression": COMPRESSION, "hashes": HASHES, "size_limit": SIZE_LIMIT},
         "chunks": len(chunks), "chunks_resumed": len(done), "workers": len(used),
         "peak_rss_mb_per_worker": max([s["peak_rss_mb"] for s in new_stats], default=0.0),
         "wall_s": round(wall, 3), "mb_per_s": round(counts["input_bytes"] / 1e6 / max(wall, 1e-9), 3),
     })
-    _write_json(out / MANIFEST, manifest)
+    write_json(out / MANIFEST, manifest)
     _finish_index(ray, out=out, cfg=cfg, part_names=[c.name for c in chunks])
+    if not counts["samples"]:
+        raise UsageError(f"--output {out}: the build wrote no samples: "
+                         + explain_no_samples(counts, fmt=cfg.format, max_seq_len=cfg.max_seq_len))
     return manifest
-
-
-# ---- output folder ------------------------------------------------------------------------------
-def _prepare_output(out: Path, cfg: BuildConfig) -> dict | None:
-    """Refuse a non-empty OUTPUT without --resume/--overwrite. Returns the previous manifest when
-    resuming one, else None (after clearing OUTPUT for --overwrite)."""
-    if not out.exists() or not any(out.iterdir()):
-        out.mkdir(parents=True, exist_ok=True)
-        return None
-    if not out.is_dir():
-        raise UsageError(f"--output {out}: exists and is not a directory")
-    has_manifest = (out / MANIFEST).is_file()
-    if cfg.overwrite:
-        looks_built = has_manifest or (out / "index.json").exists() or any(out.glob("part-*"))
-        if not looks_built:
-            raise UsageError(f"--output {out}: is not empty and holds no previous build; "
-                             "--overwrite only replaces builds (remove the folder yourself)")
-        for child in out.iterdir():
-            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
-        return None
-    if cfg.resume:
-        if not has_manifest:
-            raise UsageError(f"--resume: {out} has no {MANIFEST}, so it is not a build to resume; "
-                             "use another --output or --overwrite")
-        return json.loads((out / MANIFEST).read_text())
-    raise UsageError(f"--output {out}: is not empty; pass --resume to finish the build in it or "
-                     "--overwrite to replace it")
-
-
-def _fingerprint(cfg: BuildConfig, *, files: list[InputFile], chunk_bytes: int, tok: TokenizerInfo) -> dict:
-    """Everything the samples depend on (not --num_workers): what --resume compares."""
-    return {"inputs": [[f.path, f.lang, f.size] for f in files], "chunk_bytes": chunk_bytes,
-            "tokenizer": cfg.tokenizer, "tokenizer_sha256": tok.sha256, **{k: getattr(cfg, k) for k in OUTPUT_KEYS}}
-
-
-def _check_resumable(previous: dict, *, fingerprint: dict, out: Path) -> None:
-    before = previous.get("fingerprint", {})
-    differ = sorted(k for k in set(before) | set(fingerprint) if before.get(k) != fingerprint.get(k))
-    if differ:
-        raise UsageError(f"--resume: {out} was built with different {', '.join(differ)} "
-                         f"(before: {[before.get(k) for k in differ]}, now: "
-                         f"{[fingerprint.get(k) for k in differ]}); rerun with the same settings "
-                         "or use --overwrite")
 
 
 def _resolved_config(cfg: BuildConfig, chunk_bytes: int) -> dict:
@@ -156,48 +139,28 @@ def _resolved_config(cfg: BuildConfig, chunk_bytes: int) -> dict:
     return resolved
 
 
-def _remove_stale(out: Path, *, keep: set[str]) -> None:
-    """Drop temporary folders of interrupted tasks and parts that are not in this plan."""
-    for child in out.iterdir():
-        if child.name.startswith(".tmp-part-") or (child.name.startswith("part-") and child.name not in keep):
-            shutil.rmtree(child, ignore_errors=True)
-        elif child.name.startswith("part-") and not (child / PART_STATS).is_file():
-            shutil.rmtree(child, ignore_errors=True)
-
-
-def _concat_rejects(out: Path, part_names: list[str]) -> None:
-    with open(out / REJECTS, "w", encoding="utf-8") as dst:
-        for name in part_names:
-            src = out / name / PART_REJECTS
-            if src.is_file():
-                with open(src, encoding="utf-8") as f:
-                    shutil.copyfileobj(f, dst)
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, ensure_ascii=False))
-    tmp.replace(path)
-
-
 # ---- Ray ----------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _ray_session(cfg: BuildConfig) -> Iterator:
-    """Reuse an initialised Ray; else join --ray_address, or start one on this machine."""
+    """Reuse an initialised Ray; else join --ray_address, or start one on this machine (local_ray)."""
     import ray
+
+    from preprocessing.local_ray import available_cpus, local_ray
 
     if ray.is_initialized():
         yield ray
         return
-    kwargs = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+    kwargs = dict(logging_level=logging.WARNING, log_to_driver=True)
     if cfg.ray_address:
-        ray.init(address=cfg.ray_address, **kwargs)
-    else:
-        ray.init(address="local", num_cpus=cfg.num_workers or os.cpu_count(), **kwargs)
-    try:
+        ray.init(address=cfg.ray_address, include_dashboard=False, **kwargs)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+        return
+    cpus = available_cpus()
+    with local_ray(num_cpus=min(cfg.num_workers or cpus, cpus), **kwargs) as ray:
         yield ray
-    finally:
-        ray.shutdown()
 
 
 def _task_options(cfg: BuildConfig) -> dict:
@@ -226,8 +189,8 @@ def _warm_up(ray, *, workers: int, cfg: BuildConfig) -> None:
         task.remote(bool(cfg.remote))
 
 
-def _run_chunks(ray, todo: list[Chunk], *, spec: TaskSpec, tokenizer_json: str, cfg: BuildConfig,
-                workers: int) -> list[dict]:
+def _run_chunks(ray, todo: list[Chunk], *, plan: list[Chunk], spec: TaskSpec, tokenizer_json: str,
+                cfg: BuildConfig, workers: int) -> list[dict]:
     """Run process_chunk on every chunk, at most --num_workers at a time; stats in any order."""
     from tqdm import tqdm
 
@@ -235,6 +198,7 @@ def _run_chunks(ray, todo: list[Chunk], *, spec: TaskSpec, tokenizer_json: str, 
         return []
     task = ray.remote(num_cpus=1)(process_chunk).options(**_task_options(cfg))
     tok_ref = ray.put(tokenizer_json)
+    plan_ref = ray.put(plan)
     queue = iter(todo)
     pending: dict = {}
     results: list[dict] = []
@@ -242,7 +206,7 @@ def _run_chunks(ray, todo: list[Chunk], *, spec: TaskSpec, tokenizer_json: str, 
     def submit() -> None:
         chunk = next(queue, None)
         if chunk is not None:
-            pending[task.remote(chunk, spec=spec, tokenizer_json=tok_ref)] = chunk
+            pending[task.remote(chunk, spec=spec, tokenizer_json=tok_ref, plan=plan_ref)] = chunk
 
     for _ in range(workers):
         submit()
@@ -256,6 +220,9 @@ def _run_chunks(ray, todo: list[Chunk], *, spec: TaskSpec, tokenizer_json: str, 
             except Exception as err:
                 for ref in pending:
                     ray.cancel(ref)
+                cause = getattr(err, "cause", err)  # a RayTaskError carries the task's own exception
+                if isinstance(cause, UsageError):  # bad input, named by the task: no traceback
+                    raise UsageError(f"{cause} [{chunk.name}; finished parts are kept]") from None
                 raise RuntimeError(f"{chunk.describe()} failed; finished parts are kept, rerun with "
                                    f"--resume to continue: {err}") from err
             bar.update(chunk.nbytes)

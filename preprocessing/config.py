@@ -3,8 +3,9 @@ its validation (ValueError naming the flag and value; the CLI turns that into ex
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
+from preprocessing import charsets
 from preprocessing.errors import UsageError
 from preprocessing.tokenization import TRAINABLE
 
@@ -28,6 +29,7 @@ class BuildConfig:
     random_next_prob: float = 0.5
     seed: int = 12345
     text_field: str = "text"
+    encodings: list[str] = field(default_factory=list)
     num_workers: int | None = None
     ray_address: str | None = None
     chunk_mb: float | None = None
@@ -71,6 +73,10 @@ class BuildConfig:
             raise UsageError("--resume and --overwrite exclude each other")
         if not self.text_field:
             raise UsageError("--text_field: must not be empty")
+        charsets.parse_rules(self.encodings)
+
+    def encoding_rules(self) -> list[tuple[str | None, str]]:
+        return charsets.parse_rules(self.encodings)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -109,9 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=BuildConfig.seed)
     s.add_argument("--text_field", default=BuildConfig.text_field,
                    help="JSONL/Parquet/datasets column holding the text")
+    s.add_argument("--encoding", dest="encodings", action="append", default=[], metavar="[GLOB=]ENCODING",
+                   help="read text/JSONL inputs in this encoding (default utf-8): ENCODING for all of "
+                        "them, GLOB=ENCODING for those whose path or file name matches GLOB; repeatable, "
+                        "the last match wins (e.g. --encoding '*.gbk.txt=gb18030')")
     r = p.add_argument_group("execution")
     r.add_argument("--num_workers", type=int, default=None,
-                   help="parallel Ray tasks (default: every CPU Ray sees)")
+                   help="parallel Ray tasks (default, and at most: every CPU Ray sees)")
     r.add_argument("--ray_address", default=None,
                    help="join a running cluster ('auto' or HOST:PORT); default: start Ray here")
     r.add_argument("--chunk_mb", type=float, default=None,

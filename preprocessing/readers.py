@@ -5,18 +5,21 @@ line length (a line longer than MAX_LINE_BYTES is cut into pieces at a space or 
 boundary), never whole. A chunk owns the documents that start inside its byte range: both of its
 ends are moved forward to the next document boundary, a blank line (`\\n\\n`; `\\n` for JSONL),
 so neighbouring chunks agree on who reads what.
+
+Lines are decoded in the file's encoding (charsets.py); a UTF-8 byte-order mark at the start of a
+file is dropped (a JSON parser would refuse the first record for it). An input that vanishes, or
+compressed data that is truncated or corrupt, is a UsageError naming the file (inputs.reading).
 """
 from __future__ import annotations
 
-import gzip
-import io
 import json
 import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import BinaryIO, Iterator
 
-from preprocessing.inputs import Chunk
+from preprocessing import charsets
+from preprocessing.inputs import Chunk, open_source, reading
 
 MAX_LINE_BYTES = 1 << 20
 """Text lines are handed on in pieces of at most this many bytes."""
@@ -28,8 +31,7 @@ MAX_LOGGED_REJECTS = 1000
 """Per reason and chunk, rejects.jsonl lists this many; the counts always cover all of them."""
 
 _BOUNDARY = {"text": re.compile(rb"\n\r?\n"), "jsonl": re.compile(rb"\n")}
-_REPLACEMENT = "\ufffd"
-_REPLACEMENT_BYTES = _REPLACEMENT.encode()
+_UTF8_BOM = b"\xef\xbb\xbf"
 
 
 @dataclass
@@ -46,13 +48,22 @@ class RawDocument:
 @dataclass
 class ChunkReader:
     """Iterate `documents()`; afterwards `counts` holds documents_in, skipped_* reasons,
-    non_utf8_replacements and long_line_pieces, and `rejects` the logged problems."""
+    non_utf8_replacements and long_line_pieces, `rejects` the logged problems, and `span` the
+    bytes [lo, hi) of the file the documents depend on (the whole file unless it is read by byte
+    ranges; then the chunk's range as aligned, with the bytes the alignment looked at)."""
     chunk: Chunk
     text_field: str = "text"
     counts: Counter = field(default_factory=Counter)
     rejects: list[dict] = field(default_factory=list)
+    span: tuple[int, int] | None = None
     _first_line: int | None = None
     _aligned_start: int = 0
+
+    @property
+    def first_document_at(self) -> int:
+        """Byte offset of the chunk's first document start, once documents() has begun (at or past
+        the chunk's end when it has none: a long document of an earlier chunk covers it)."""
+        return self._aligned_start
 
     # ---- bookkeeping ------------------------------------------------------------------------
     def location(self, relative_line: int) -> dict:
@@ -78,15 +89,19 @@ class ChunkReader:
         self.reject(reason, relative_line, **extra)
 
     def decode(self, data: bytes, relative_line: int) -> str:
-        """UTF-8 decode; invalid bytes become U+FFFD, are counted and the line is logged."""
-        try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError:
-            text = data.decode("utf-8", errors="replace")
-            replaced = text.count(_REPLACEMENT) - data.count(_REPLACEMENT_BYTES)
+        """Decode in the file's encoding; undecodable bytes become U+FFFD, are counted and the line
+        is logged."""
+        encoding = self.chunk.file.encoding
+        # A stream encoding reaches us already transcoded to UTF-8 (inputs.open_source).
+        line_encoding = charsets.DEFAULT if charsets.is_stream_encoding(encoding) else encoding
+        text, replaced = charsets.decode(data, line_encoding)
+        if replaced:
             self.counts["non_utf8_replacements"] += replaced
-            self.reject("non_utf8_replaced", relative_line, replaced=replaced)
-            return text
+            if encoding == charsets.DEFAULT:
+                self.reject("non_utf8_replaced", relative_line, replaced=replaced)
+            else:
+                self.reject("undecodable_replaced", relative_line, replaced=replaced, encoding=encoding)
+        return text
 
     # ---- documents ----------------------------------------------------------------------------
     def documents(self) -> Iterator[RawDocument]:
@@ -98,27 +113,20 @@ class ChunkReader:
         else:
             yield from self._table_documents()
 
-    def _open(self) -> BinaryIO:
-        file = self.chunk.file
-        if file.compression == "gz":
-            return gzip.open(file.path, "rb")
-        if file.compression == "zst":
-            import zstandard
-            raw = open(file.path, "rb")
-            return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
-        return open(file.path, "rb")
-
     def _lines(self) -> Iterator[tuple[bytes, int, bool]]:
         """(bytes, relative line number, line_complete) for the chunk's lines; long lines come in
         several pieces, all but the last with line_complete=False. Trailing newlines stripped."""
         file = self.chunk.file
         boundary = _BOUNDARY[file.kind]
-        with self._open() as f:
-            if file.compression:
+        utf8 = file.encoding == charsets.DEFAULT or charsets.is_stream_encoding(file.encoding)
+        with reading(file), open_source(file) as f:
+            if not file.byte_ranges:
                 start, end = 0, float("inf")
+                self.span = (0, file.size)
             else:
                 start = _align(f, self.chunk.start, boundary=boundary)
                 end = _align(f, self.chunk.end, boundary=boundary) if self.chunk.end < file.size else file.size
+                self.span = (max(0, self.chunk.start - 3), max(start, end))  # see _align's look-back
                 f.seek(start)
             self._aligned_start = start
             pos, line_no, carry, at_line_start = start, 0, b"", True
@@ -128,13 +136,15 @@ class ChunkReader:
                 piece, carry = carry + data, b""
                 if not piece:
                     break
+                if pos == 0 and piece.startswith(_UTF8_BOM):
+                    piece, pos = piece[len(_UTF8_BOM):], len(_UTF8_BOM)
                 if piece.endswith(b"\n") or len(data) < limit:  # a whole line, or the last one
                     pos += len(piece)
                     line_no += 1
                     at_line_start = True
                     yield piece.rstrip(b"\r\n"), line_no, True
                 else:
-                    cut = _safe_cut(piece)
+                    cut = _safe_cut(piece, utf8=utf8)
                     carry = piece[cut:]
                     pos += cut
                     at_line_start = False
@@ -210,6 +220,11 @@ class ChunkReader:
         return value
 
     def _table_documents(self) -> Iterator[RawDocument]:
+        self.span = (0, self.chunk.file.size)
+        with reading(self.chunk.file):
+            yield from self._table_rows()
+
+    def _table_rows(self) -> Iterator[RawDocument]:
         for row, value in _table_rows(self.chunk, self.text_field):
             self.counts["documents_in"] += 1
             if value is None:
@@ -277,15 +292,18 @@ def _align(f: BinaryIO, offset: int, *, boundary: re.Pattern, block: int = 1 << 
         tail = buf[-back:]
 
 
-def _safe_cut(piece: bytes) -> int:
+def _safe_cut(piece: bytes, *, utf8: bool = True) -> int:
     """Where to cut an over-long line piece: after the last space or Chinese full stop in its
-    second half, else at a UTF-8 character boundary."""
+    second half, else at a UTF-8 character boundary. In another encoding only a space or tab is
+    a safe cut (a cut elsewhere may split a character, which then counts as undecodable)."""
     half = len(piece) // 2
-    for sep in (b"\xe3\x80\x82", b" ", b"\t"):  # 。 first: Chinese text rarely has spaces
+    for sep in (b"\xe3\x80\x82", b" ", b"\t") if utf8 else (b" ", b"\t"):  # 。 first: Chinese rarely has spaces
         i = piece.rfind(sep, half)
         if i > 0:
             return i + len(sep)
     cut = len(piece)
+    if not utf8:
+        return cut
     while cut > 0 and (piece[cut - 1] & 0xC0) == 0x80:
         cut -= 1  # step back over continuation bytes...
     if cut > 0 and piece[cut - 1] >= 0xC0:

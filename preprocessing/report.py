@@ -49,6 +49,8 @@ def aggregate(part_stats: list[dict], *, fmt: str) -> dict:
     }
     if fmt == "nsp":
         counts["nsp_random_next"] = total["nsp_random_next"]
+        # Blocks with one document, whose random B segments came from other chunks' documents.
+        counts["nsp_blocks_with_donors"] = total["nsp_blocks_with_donors"]
         counts["tokens_truncated"] = total["tokens_truncated"]
     else:
         counts["tokens_dropped_tail"] = total["tokens_dropped_tail"]
@@ -92,3 +94,17 @@ def format_summary(manifest: dict) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def explain_no_samples(counts: dict, *, fmt: str, max_seq_len: int) -> str:
+    """Why a build wrote nothing, from its counts, and what would change that."""
+    skipped = ", ".join(f"{k} {v:,}" for k, v in counts["documents_skipped"].items()) or "none"
+    why = (f"{counts['documents_in']:,} documents read, {counts['documents_written']:,} written "
+           f"(skipped: {skipped}; rejects.jsonl lists each one)")
+    if counts["documents_in"] == 0:
+        return why + "; the inputs hold no documents"
+    if fmt == "packed" and counts.get("tokens_dropped_tail"):
+        return (why + f"; --format packed drops what is left of each chunk after its last full block of "
+                f"{max_seq_len} tokens ({counts['tokens_dropped_tail']:,} tokens here): give more text, a "
+                "smaller --max_seq_len or a larger --chunk_mb")
+    return why + "; every document was skipped"

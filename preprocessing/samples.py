@@ -24,6 +24,12 @@ class TokenizedDocs:
     doc_langs: list[str]
     doc_is_new: np.ndarray | None = None
     """(D,) bool: False for the later parts of a document cut into parts (default: all True)."""
+    doc_ids: np.ndarray | None = None
+    """(D,) int64: the source document of each entry; the parts of one document share it and are
+    contiguous (default: every entry its own document)."""
+    num_a_docs: int | None = None
+    """Entries from this index on are donors (documents of other chunks): they give random B
+    segments only, never an A (default: none)."""
 
     @property
     def num_docs(self) -> int:
@@ -32,6 +38,45 @@ class TokenizedDocs:
     def doc_token_offsets(self) -> np.ndarray:
         """(D+1,) token offset where each document starts."""
         return self.sent_offsets_S1[self.doc_sent_offsets_D1]
+
+    def source_ids(self) -> np.ndarray:
+        return self.doc_ids if self.doc_ids is not None else np.arange(self.num_docs, dtype=np.int64)
+
+
+def concat_docs(parts: list[TokenizedDocs]) -> TokenizedDocs:
+    """The blocks one after the other (offsets shifted), as one block."""
+    ids, ws, langs, new, src = [], [], [], [], []
+    sent, doc = [np.zeros(1, np.int64)], [np.zeros(1, np.int64)]
+    tokens = sentences = 0
+    for p in parts:
+        ids.append(p.ids_T)
+        ws.append(p.word_starts_T)
+        sent.append(p.sent_offsets_S1[1:] + tokens)
+        doc.append(p.doc_sent_offsets_D1[1:] + sentences)
+        langs += p.doc_langs
+        new.append(p.doc_is_new if p.doc_is_new is not None else np.ones(p.num_docs, dtype=bool))
+        src.append(p.source_ids())
+        tokens += int(p.sent_offsets_S1[-1])
+        sentences += len(p.sent_offsets_S1) - 1
+    return TokenizedDocs(
+        ids_T=np.concatenate(ids) if ids else np.zeros(0, np.uint32),
+        word_starts_T=np.concatenate(ws) if ws else np.zeros(0, np.uint8),
+        sent_offsets_S1=np.concatenate(sent).astype(np.int64),
+        doc_sent_offsets_D1=np.concatenate(doc).astype(np.int64), doc_langs=langs,
+        doc_is_new=np.concatenate(new) if new else np.zeros(0, bool),
+        doc_ids=np.concatenate(src).astype(np.int64) if src else np.zeros(0, np.int64))
+
+
+def _runs(ids_D: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(lo_D, hi_D): the range of entries that share each entry's source document."""
+    n = len(ids_D)
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    starts = np.flatnonzero(np.concatenate([[True], ids_D[1:] != ids_D[:-1]]))
+    ends = np.concatenate([starts[1:], [n]])
+    if len(np.unique(ids_D[starts])) != len(starts):
+        raise ValueError("the parts of a document must be contiguous in a block")
+    return np.repeat(starts, ends - starts), np.repeat(ends, ends - starts)
 
 
 class NspInstance(NamedTuple):
@@ -53,15 +98,21 @@ def nsp_instances(docs: TokenizedDocs, *, rng: random.Random, max_seq_len: int,
     Per document a target length (max_seq_len - 3, or with probability short_seq_prob a random
     one in [2, max_seq_len - 3]); sentences are gathered until the target is reached, A takes a
     random number of them, and B is the rest (label 0) or, with probability random_next_prob or
-    when A took everything, a run of sentences of another document of the block (label 1; the
-    unused sentences go back). The pair is then truncated to max_seq_len - 3 tokens, one token at a
-    time from the longer side, at its front or back at random.
+    when A took everything, a run of sentences of another document (label 1; the unused sentences
+    go back). That document is drawn uniformly from the block's entries (donors included) of
+    another source document, so a random B never comes from A's own document, as BERT intends
+    (BERT's 10 tries and then a fallback to A's document would label A's continuation random).
+    The pair is then truncated to max_seq_len - 3 tokens, one token at a time from the longer
+    side, at its front or back at random. Raises ValueError when a random B is needed and the
+    block has no other document (the caller adds donors first).
     """
     max_tokens = max_seq_len - 3
     sent = docs.sent_offsets_S1
     doc_sents = docs.doc_sent_offsets_D1
     num_docs = docs.num_docs
-    for d in range(num_docs):
+    run_lo_D, run_hi_D = _runs(docs.source_ids())
+    num_a = docs.num_a_docs if docs.num_a_docs is not None else num_docs
+    for d in range(num_a):
         first, last = int(doc_sents[d]), int(doc_sents[d + 1])
         target = max_tokens
         if rng.random() < short_seq_prob:
@@ -76,11 +127,11 @@ def nsp_instances(docs: TokenizedDocs, *, rng: random.Random, max_seq_len: int,
                 a = (int(sent[chunk_start]), int(sent[a_end]))
                 if n == 1 or rng.random() < random_next_prob:
                     target_b = target - (a[1] - a[0])
-                    r = d
-                    for _ in range(10):
-                        r = rng.randint(0, num_docs - 1)
-                        if r != d:
-                            break
+                    lo, hi = int(run_lo_D[d]), int(run_hi_D[d])
+                    if num_docs == hi - lo:
+                        raise ValueError(f"document {d}: a random B needs another document in the block")
+                    r = rng.randint(0, num_docs - (hi - lo) - 1)
+                    r += (hi - lo) if r >= lo else 0  # skip A's own document
                     r_first, r_last = int(doc_sents[r]), int(doc_sents[r + 1])
                     j = rng.randint(r_first, r_last - 1)
                     b_lo = int(sent[j])

@@ -1,17 +1,14 @@
 """The shard builder end to end on real Ray (loopback, one instance for the module) and real MDS
 files: round trip, NSP pairs, Chinese word starts, determinism across worker counts, bad input."""
 import json
-import logging
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from tests.support.builder import (chinese_docs, english_docs, part_samples, read_samples, reference_zh_starts,
-                           shard_hashes, squash, train_tokenizer_dir, write_bert_text, write_jsonl)
+from tests.support.builder import (config, english_docs, kill_tree, part_samples, ray_on_loopback, read_samples,
+                                   reference_zh_starts, shard_hashes, small_corpus, squash, write_bert_text, write_jsonl)
 
 from preprocessing.builder import build_shards
-from preprocessing.config import BuildConfig
 from preprocessing.text import clean_text, split_sentences
 
 pytestmark = pytest.mark.multiproc
@@ -19,39 +16,12 @@ pytestmark = pytest.mark.multiproc
 
 @pytest.fixture(scope="module")
 def ray_here():
-    """One Ray on 127.0.0.1 for the module (conftest sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0);
-    the builder reuses an initialised Ray instead of starting its own."""
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
-    assert ray.util.get_node_ip_address() == "127.0.0.1"
-    yield ray
-    if started:
-        ray.shutdown()
+    yield from ray_on_loopback()
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    en, zh = english_docs(60, seed=11), chinese_docs()
-    write_bert_text(d / "en.txt", en)
-    write_jsonl(d / "zh.jsonl", zh)
-    tok_dir = train_tokenizer_dir(d / "tok", en + zh, vocab_size=3000)
-    from tokenizers import Tokenizer
-    from transformers import AutoTokenizer
-
-    return SimpleNamespace(dir=d, en=en, zh=zh, tok_dir=tok_dir, hf=AutoTokenizer.from_pretrained(tok_dir),
-                           raw=Tokenizer.from_file(str(tok_dir / "tokenizer.json")))
-
-
-def config(corpus, out, **overrides):
-    base = dict(output=str(out), format="packed", max_seq_len=32, chunk_mb=0.004, num_workers=2, progress=False)
-    if corpus is not None:
-        base.update(inputs=[f"en:{corpus.dir / 'en.txt'}", f"zh:{corpus.dir / 'zh.jsonl'}"], tokenizer=str(corpus.tok_dir))
-    base.update(overrides)
-    return BuildConfig(**base)
+    return small_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def part_stats(out):
@@ -195,25 +165,6 @@ def test_output_folder_rules(ray_here, corpus, tmp_path):
     assert (stranger / "notes.txt").read_text() == "keep me"
 
 
-def _kill_tree(proc) -> None:
-    """SIGKILL a process we started, its process group and every descendant (Ray's workers leave
-    the group), by pid."""
-    import os
-    import signal
-
-    import psutil
-
-    kids = psutil.Process(proc.pid).children(recursive=True)
-    os.killpg(proc.pid, signal.SIGKILL)
-    for kid in kids:
-        try:
-            kid.kill()
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait(timeout=30)
-    psutil.wait_procs(kids, timeout=30)
-
-
 def test_killed_build_resumes_to_the_same_output(ray_here, corpus, tmp_path):
     """A build SIGKILLed midway (driver, Ray and all) and then resumed writes what a clean build
     writes, and re-runs only the chunks that were not finished."""
@@ -236,7 +187,7 @@ def test_killed_build_resumes_to_the_same_output(ray_here, corpus, tmp_path):
             assert time.time() < deadline, "the build never got going"
             time.sleep(0.02)
     finally:
-        _kill_tree(proc)
+        kill_tree(proc)
     manifest = json.loads((out / "build_manifest.json").read_text())
     assert manifest["status"] == "running" and not (out / "index.json").exists()
     finished = len(list(out.glob("part-*/part_stats.json")))

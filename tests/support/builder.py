@@ -1,11 +1,14 @@
-"""Shared helpers for the shard-builder tests: small corpora, a test tokenizer, MDS read-back and an
-independent reference normalisation."""
+"""Shared helpers for the shard-builder tests: small corpora, a test tokenizer, MDS read-back, an
+independent reference normalisation, and the module fixtures of the tests that build with Ray
+(import `ray_here` and `corpus` into a test module to use them there)."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 import unicodedata
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -133,3 +136,63 @@ def reference_zh_starts(tokenizer, sentence: str) -> list[int]:
         else:
             out.append(int(token.startswith("▁")))
     return out
+
+
+# ---- fixtures and helpers of the Ray builds ---------------------------------------------------
+def ray_on_loopback():
+    """Body of a module fixture: one Ray on 127.0.0.1 (conftest sets
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0); the builder reuses an initialised Ray instead of
+    starting its own. Use as `yield from ray_on_loopback()`."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    assert ray.util.get_node_ip_address() == "127.0.0.1"
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def small_corpus(d: Path) -> SimpleNamespace:
+    """60 English documents (en.txt), the Chinese sample corpus (zh.jsonl) and a WordPiece
+    tokenizer trained on both, in folder d."""
+    en, zh = english_docs(60, seed=11), chinese_docs()
+    write_bert_text(d / "en.txt", en)
+    write_jsonl(d / "zh.jsonl", zh)
+    tok_dir = train_tokenizer_dir(d / "tok", en + zh, vocab_size=3000)
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    return SimpleNamespace(dir=d, en=en, zh=zh, tok_dir=tok_dir, hf=AutoTokenizer.from_pretrained(tok_dir),
+                           raw=Tokenizer.from_file(str(tok_dir / "tokenizer.json")))
+
+
+def config(corpus, out, **overrides):
+    """A BuildConfig over the `corpus` fixture's two files (small chunks, packed, 2 workers)."""
+    from preprocessing.config import BuildConfig
+
+    base = dict(output=str(out), format="packed", max_seq_len=32, chunk_mb=0.004, num_workers=2, progress=False)
+    if corpus is not None:
+        base.update(inputs=[f"en:{corpus.dir / 'en.txt'}", f"zh:{corpus.dir / 'zh.jsonl'}"], tokenizer=str(corpus.tok_dir))
+    base.update(overrides)
+    return BuildConfig(**base)
+
+
+def kill_tree(proc) -> None:
+    """SIGKILL a process we started, its process group and every descendant (Ray's workers leave
+    the group), by pid."""
+    import os
+    import signal
+
+    import psutil
+
+    kids = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for kid in kids:
+        try:
+            kid.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=30)
+    psutil.wait_procs(kids, timeout=30)

@@ -63,3 +63,79 @@ def test_script_entry_point_exits_2(tmp_path):
                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert f"no such file or directory: {missing}" in proc.stderr
+
+
+def test_output_that_is_a_file_or_under_a_file_exits_2(tmp_path, text_file, capsys):
+    target = tmp_path / "taken"
+    target.write_text("not a folder")
+    for out, message in ((target, f"--output {target}: exists and is not a directory"),
+                         (target / "sub", f"--output {target / 'sub'}: {target} is not a directory")):
+        assert main(["--input", str(text_file), "--output", str(out), "--tokenizer", "x"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+    assert target.read_text() == "not a folder"
+
+
+def test_unknown_encoding_exits_2(tmp_path, text_file, capsys):
+    assert main(["--input", str(text_file), "--output", str(tmp_path / "o"), "--tokenizer", "x",
+                 "--encoding", "*.txt=klingon"]) == 2
+    assert "--encoding *.txt=klingon: unknown encoding 'klingon'" in capsys.readouterr().err
+
+
+# ---- the output folder's lock ------------------------------------------------------------------
+def test_a_locked_output_exits_2_naming_the_holder(tmp_path, text_file, capsys):
+    """Another process holds OUTPUT's lock (as a running build does, from before its Ray starts to
+    its end): a second build exits 2 naming that pid and host, and touches nothing."""
+    import os
+    import socket
+
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, pathlib; from preprocessing.lock import OutputLock; "
+                               "OutputLock(pathlib.Path(sys.argv[1])).acquire(); print('held', flush=True); "
+                               "sys.stdin.read()", str(out)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert holder.stdout.readline() == "held\n"
+        assert main(["--input", str(text_file), "--output", str(out), "--tokenizer", "x"]) == 2
+        err = capsys.readouterr().err
+        assert f"another build is writing into it: pid {holder.pid} on host {socket.gethostname()}" in err
+        assert [p.name for p in out.iterdir()] == [".build.lock"]
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    # It ended without releasing its lock, as a killed build does: the file stays, the flock went
+    # with the process, and the next build takes it over.
+    assert (out / ".build.lock").exists()
+    from preprocessing.lock import OutputLock
+
+    lock = OutputLock(out)
+    lock.acquire()
+    assert f"taking over the lock left by pid {holder.pid}" in capsys.readouterr().err
+    lock.release()
+
+
+def test_a_stale_lock_is_taken_over_and_a_foreign_one_refused(tmp_path, capsys):
+    import json
+    import os
+    import socket
+
+    from preprocessing.errors import UsageError
+    from preprocessing.lock import OutputLock
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    record = tmp_path / ".build.lock"
+    record.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": "yesterday"}))
+    lock = OutputLock(tmp_path)
+    lock.acquire()
+    err = capsys.readouterr().err
+    assert f"taking over the lock left by pid {dead.pid} on host {socket.gethostname()} (started yesterday)" in err
+    assert json.loads(record.read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not record.exists()
+    record.write_text(json.dumps({"pid": 4242, "host": "node-elsewhere", "started": "today"}))
+    with pytest.raises(UsageError, match=r"left by pid 4242 on host node-elsewhere .* cannot check; if no build "
+                                         r"is running there, delete .*\.build\.lock"):
+        OutputLock(tmp_path).acquire()

@@ -1,6 +1,7 @@
 """Input specs, formats, byte-range chunking aligned to documents, and bad input in the readers."""
 import gzip
 import json
+import os
 import random
 import tracemalloc
 
@@ -209,3 +210,127 @@ def test_a_50mb_line_without_newline_streams_in_bounded_memory(tmp_path):
     assert parts[0] == (0, True, 1) and parts[1][:2] == (0, False) and parts[-1][:2] == (len(parts) - 2, True)
     assert {line for _, _, line in parts[1:]} == {3}
     assert first.startswith("Start of the giant line. word word") and last.endswith("word The end.")
+
+
+# ---- inputs that cannot be read as planned: each a UsageError naming the file -------------------
+def test_broken_symlink_fifo_and_fake_or_truncated_compression_are_named(tmp_path):
+    (tmp_path / "good.txt").write_text("A document.\n")
+    (tmp_path / "dangling.txt").symlink_to(tmp_path / "gone.txt")
+    with pytest.raises(UsageError, match=r"dangling.txt is a broken symbolic link \(to .*gone.txt\)"):
+        resolve_inputs([f"{tmp_path}/*.txt"])
+    (tmp_path / "dangling.txt").unlink()
+    os.mkfifo(tmp_path / "pipe.txt")
+    with pytest.raises(UsageError, match=r"pipe.txt is a FIFO \(named pipe\); .* needs a regular file"):
+        resolve_inputs([f"{tmp_path}/*.txt"])
+    (tmp_path / "pipe.txt").unlink()
+    (tmp_path / "plain.jsonl.gz").write_bytes(b'{"text": "not compressed"}\n')
+    with pytest.raises(UsageError, match=r"plain.jsonl.gz \(from --input .*\): is named like a gzip file but "
+                                         r"is not gzip"):
+        resolve_inputs([str(tmp_path / "plain.jsonl.gz")])
+    text = messy_bert_text(seed=5).encode()
+    (tmp_path / "short.txt.gz").write_bytes(gzip.compress(text)[:-40])  # within the first MB: found at once
+    with pytest.raises(UsageError, match=r"short.txt.gz .*: the compressed stream ends early, so the file is "
+                                         r"truncated"):
+        resolve_inputs([str(tmp_path / "short.txt.gz")])
+
+
+@pytest.mark.parametrize("name", ["big.txt.gz", "big.txt.zst"])
+def test_truncation_past_the_first_mb_is_found_by_the_reader(tmp_path, name):
+    """zstandard's stream reader returns a truncated file's first part as if it were all of it; gzip
+    raises EOFError. Both must be a UsageError naming the file, not lost text or a traceback."""
+    import zstandard
+
+    rng = random.Random(0)
+    text = "".join(f"doc {i} {rng.random()} {rng.random()}\n\n" for i in range(200_000)).encode()
+    packed = gzip.compress(text) if name.endswith(".gz") else zstandard.ZstdCompressor().compress(text)
+    (tmp_path / name).write_bytes(packed[:len(packed) * 3 // 4])
+    files = resolve_inputs([str(tmp_path / name)])  # the first MB decompresses fine
+    with pytest.raises(UsageError, match=f"{name} .*: the compressed stream ends early"):
+        read_all(files, chunk_bytes=1 << 30)
+
+
+def test_an_input_that_vanishes_or_changes_is_named(tmp_path):
+    from preprocessing.inputs import check_unchanged
+
+    path = tmp_path / "a.txt"
+    path.write_text(messy_bert_text())
+    files = resolve_inputs([str(path)])
+    reader = ChunkReader(plan_chunks(files, chunk_bytes=1 << 30, text_field="text")[0])
+    path.unlink()
+    with pytest.raises(UsageError, match=r"a.txt \(from --input .*\): disappeared during the build"):
+        list(reader.documents())
+    with pytest.raises(UsageError, match="disappeared during the build"):
+        check_unchanged(files[0])
+    path.write_text(messy_bert_text())  # the same size, written again
+    os.utime(path, ns=(files[0].mtime_ns + 10**9, files[0].mtime_ns + 10**9))
+    with pytest.raises(UsageError, match=r"a.txt .*: changed during the build"):
+        check_unchanged(files[0])
+
+
+def test_globs_skip_the_output_folder_and_explicit_paths_inside_it_are_refused(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("x\n")
+    out = tmp_path / "out"
+    (out / "tokenizer").mkdir(parents=True)
+    (out / "tokenizer" / "vocab.txt").write_text("[PAD]\n")
+    files = resolve_inputs([f"en:{tmp_path}/**/*.txt"], exclude=out)
+    assert [f.path for f in files] == [str(tmp_path / "a.txt")]
+    assert f"skipped 1 path(s) inside --output {out}" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="matched no files outside --output"):
+        resolve_inputs([f"{out}/**/*.txt"], exclude=out)
+    with pytest.raises(UsageError, match="is inside --output .*a build cannot read its own output"):
+        resolve_inputs([str(out / "tokenizer" / "vocab.txt")], exclude=out)
+
+
+# ---- encodings ----------------------------------------------------------------------------------
+CHINESE = "中华人民共和国最高人民法院。本院认为，上诉人的上诉请求不能成立。" * 40
+ENGLISH = "The river ran past the old stone bridge, and the village slept. " * 40
+
+
+def test_utf16_and_nul_heavy_files_are_refused_with_the_flag_that_reads_them(tmp_path):
+    (tmp_path / "bom.txt").write_bytes(("\n\n".join([ENGLISH, CHINESE])).encode("utf-16"))
+    with pytest.raises(UsageError, match=r"bom.txt: starts with a UTF-16 byte-order mark, so it is not utf-8 "
+                                         r"text; pass --encoding '.*bom.txt=utf-16'"):
+        resolve_inputs([str(tmp_path / "bom.txt")])
+    (tmp_path / "le.jsonl").write_bytes(json.dumps({"text": ENGLISH}).encode("utf-16-le"))
+    with pytest.raises(UsageError, match=r"le.jsonl: [\d,]+ of its first [\d,]+ bytes are NUL.*"
+                                         r"--encoding '.*le.jsonl=utf-16-le'"):
+        resolve_inputs([str(tmp_path / "le.jsonl")])
+
+
+def test_gbk_text_is_refused_and_read_right_with_encoding(tmp_path):
+    from preprocessing.charsets import parse_rules
+
+    docs = [[CHINESE[:60], CHINESE[60:200]], [ENGLISH[:100]], [CHINESE[200:400]]]
+    text = "".join("\n".join(lines) + "\n\n" for lines in docs)
+    path = tmp_path / "court.txt"
+    path.write_bytes(text.encode("gbk"))
+    with pytest.raises(UsageError, match=r"court.txt: [\d,]+ of its first [\d,]+ characters are not valid utf-8 .* "
+                                         r"\(it decodes cleanly as gb18030\); pass --encoding '.*court.txt=gb18030'"):
+        resolve_inputs([str(path)])
+    files = resolve_inputs([str(path)], encoding_rules=parse_rules(["*.txt=gbk"]))
+    assert files[0].encoding == "gbk" and files[0].byte_ranges
+    for chunk_bytes in (7, 1 << 30):  # still cut into byte ranges: b"\n" is only ever a newline in GBK
+        got, _, counts, _ = read_all(files, chunk_bytes=chunk_bytes)
+        assert got == docs and counts.get("non_utf8_replacements", 0) == 0
+    with pytest.raises(UsageError, match="--encoding latin-9x: unknown encoding"):
+        parse_rules(["latin-9x"])
+
+
+def test_utf16_with_encoding_is_transcoded_as_one_chunk(tmp_path):
+    from preprocessing.charsets import parse_rules
+
+    docs = [[ENGLISH[:80]], [CHINESE[:50], CHINESE[50:90]]]
+    (tmp_path / "w.jsonl").write_bytes("".join(json.dumps({"text": "\n".join(d)}, ensure_ascii=False) + "\r\n"
+                                               for d in docs).encode("utf-16"))
+    files = resolve_inputs([str(tmp_path / "w.jsonl")], encoding_rules=parse_rules(["utf-16"]))
+    assert len(plan_chunks(files, chunk_bytes=10, text_field="text")) == 1
+    got, where, counts, _ = read_all(files, chunk_bytes=10)
+    assert got == docs and [w["line"] for w in where] == [1, 2] and counts["documents_in"] == 2
+
+
+def test_a_utf8_bom_keeps_the_first_jsonl_record(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(3)).encode())
+    for chunk_bytes in (5, 1 << 30):
+        docs, where, counts, rejects = read_all(resolve_inputs([str(path)]), chunk_bytes=chunk_bytes)
+        assert docs == [["record 0"], ["record 1"], ["record 2"]] and rejects == []

@@ -60,6 +60,41 @@ def test_nsp_pairs_follow_bert(max_seq_len, max_len):
     assert again == insts
 
 
+def test_random_b_never_comes_from_as_own_document():
+    """BERT's 10 tries and then A's own document: with few documents a 'random' B was often A's
+    own continuation. Now: another source document always; the parts of one long document (same
+    doc id) count as one; a block with a single document draws from donors, which give no A."""
+    from preprocessing.samples import concat_docs
+
+    few = synthetic_docs(5, num_docs=2, min_sents=30, max_sents=40)
+    for seed in range(20):
+        for inst in nsp_instances(few, rng=random.Random(seed), max_seq_len=32):
+            assert not inst.is_random_next or inst.b_doc != inst.a_doc
+    parts = synthetic_docs(6, num_docs=6, min_sents=20, max_sents=30)
+    parts.doc_ids = np.array([7, 7, 7, 9, 9, 4], dtype=np.int64)  # three documents in six parts
+    seen = set()
+    for inst in nsp_instances(parts, rng=random.Random(1), max_seq_len=32):
+        if inst.is_random_next:
+            assert parts.doc_ids[inst.b_doc] != parts.doc_ids[inst.a_doc]
+            seen.add(int(parts.doc_ids[inst.b_doc]))
+    assert seen == {7, 9, 4}
+    alone = synthetic_docs(8, num_docs=3, min_sents=20, max_sents=30)
+    alone.doc_ids = np.zeros(3, dtype=np.int64)  # one document, in three parts
+    with pytest.raises(ValueError, match="a random B needs another document"):
+        list(nsp_instances(alone, rng=random.Random(0), max_seq_len=32))
+    donors = synthetic_docs(9, num_docs=4, max_sents=5)
+    donors.doc_ids = np.arange(100, 104, dtype=np.int64)
+    block = concat_docs([alone, donors])
+    block.num_a_docs = alone.num_docs
+    assert block.ids_T.tolist() == alone.ids_T.tolist() + donors.ids_T.tolist()
+    insts = list(nsp_instances(block, rng=random.Random(0), max_seq_len=32))
+    doc_tok = block.doc_token_offsets()
+    assert {i.a_doc for i in insts} == {0, 1, 2} and sum(i.is_random_next for i in insts) > 10
+    for inst in insts:
+        if inst.is_random_next:
+            assert inst.b_doc >= 3 and doc_tok[inst.b_doc] <= inst.b_full[0] < inst.b_full[1] <= doc_tok[inst.b_doc + 1]
+
+
 @pytest.mark.parametrize("max_seq_len", [32, 128, 512])
 def test_nsp_labels_are_half_random_on_long_documents(max_seq_len):
     docs = synthetic_docs(1, num_docs=30, min_sents=100, max_sents=200, max_len=max_seq_len // 6)

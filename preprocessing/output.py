@@ -1,0 +1,166 @@
+"""The output folder: refuse what is not ours, clear a previous build for --overwrite, and decide
+whether --resume may continue the build in it (same settings, inputs unchanged: each file's size
+and modification time, and a digest of the bytes every finished part was made from).
+
+OUTPUT is ours when it is empty, or holds a previous build: a build_manifest.json, an index.json or
+part folders, or only what a build writes before its manifest (tokenizer/, its temporary copy, the
+manifest's temporary file), which is what a build killed while preparing its tokenizer leaves.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from preprocessing.errors import UsageError, note
+from preprocessing.lock import LOCK_NAME
+
+MANIFEST = "build_manifest.json"
+REJECTS = "rejects.jsonl"
+EARLY_ARTEFACTS = frozenset({"tokenizer", "tokenizer.tmp", MANIFEST + ".tmp"})
+"""What a build writes before its first manifest."""
+
+
+def check_output_path(out: Path) -> None:
+    """Refuse an --output that is not a folder, before anything is read or written."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--output {out}: exists and is not a directory; give the path of a folder "
+                         "(new, empty, or holding a previous build)")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"--output {out}: {parent} is not a directory, so the folder cannot "
+                                 "be created there")
+            break
+
+
+def make_output(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--output {out}: cannot create it ({err.strerror or err})") from err
+
+
+def _entries(out: Path) -> list[Path]:
+    return [child for child in out.iterdir() if child.name != LOCK_NAME]
+
+
+def _clear(entries: list[Path]) -> None:
+    for child in entries:
+        shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+
+
+def prepare_output(out: Path, *, overwrite: bool, resume: bool) -> dict | None:
+    """Refuse a non-empty OUTPUT without --resume/--overwrite. Returns the previous manifest when
+    resuming one, else None (after clearing OUTPUT for --overwrite). OUTPUT exists and this
+    build holds its lock."""
+    entries = _entries(out)
+    if not entries:
+        return None
+    has_manifest = (out / MANIFEST).is_file()
+    if not has_manifest and all(child.name in EARLY_ARTEFACTS for child in entries):
+        if overwrite or resume:
+            if resume:
+                note(f"--resume: {out} holds only {', '.join(sorted(c.name for c in entries))} of a build "
+                     f"stopped before it wrote {MANIFEST}: no chunk was finished, so the build starts over")
+            _clear(entries)
+            return None
+    if overwrite:
+        looks_built = has_manifest or (out / "index.json").exists() or any(out.glob("part-*"))
+        if not looks_built:
+            raise UsageError(f"--output {out}: is not empty and holds no previous build; "
+                             "--overwrite only replaces builds (remove the folder yourself)")
+        _clear(entries)
+        return None
+    if resume:
+        if not has_manifest:
+            raise UsageError(f"--resume: {out} has no {MANIFEST}, so it is not a build to resume; "
+                             "use another --output or --overwrite")
+        return json.loads((out / MANIFEST).read_text())
+    raise UsageError(f"--output {out}: is not empty; pass --resume to finish the build in it or "
+                     "--overwrite to replace it")
+
+
+def write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(obj, indent=1, ensure_ascii=False))
+    tmp.replace(path)
+
+
+# ---- resume -------------------------------------------------------------------------------------
+def fingerprint(cfg, *, files: list, chunk_bytes: int, tokenizer_sha256: str, output_keys: tuple) -> dict:
+    """Everything the samples depend on (not --num_workers): what --resume compares. input_state
+    (size and modification time per file) catches an input edited in place at the same size."""
+    return {"inputs": [[f.path, f.lang, f.encoding] for f in files],
+            "input_state": [[f.path, f.size, f.mtime_ns] for f in files],
+            "chunk_bytes": chunk_bytes, "tokenizer": cfg.tokenizer, "tokenizer_sha256": tokenizer_sha256,
+            **{k: getattr(cfg, k) for k in output_keys}}
+
+
+def _when(mtime_ns: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime_ns / 1e9)) + f".{mtime_ns % 10**9:09d}"
+
+
+def check_resumable(previous: dict, *, fingerprint: dict, out: Path) -> None:
+    """Refuse --resume when the settings or the inputs differ from the interrupted build's, naming
+    each changed setting or file."""
+    before = previous.get("fingerprint", {})
+    if "input_state" not in before:
+        raise UsageError(f"--resume: {out} was built by an older builder that did not record the state of "
+                         "its inputs, so an input changed since could not be detected; rebuild with --overwrite")
+    old = {path: (size, mtime) for path, size, mtime in before["input_state"]}
+    for path, size, mtime in fingerprint["input_state"]:
+        if path in old and old[path] != (size, mtime):
+            size0, mtime0 = old[path]
+            raise UsageError(
+                f"--resume: {path} changed since the build in {out} started (size {size0:,} -> {size:,} bytes, "
+                f"modified {_when(mtime0)} -> {_when(mtime)}); its finished parts hold the old text, so "
+                f"rebuild with --overwrite (if only its time changed: touch -d @{mtime0 / 1e9:.9f} {path})")
+    keys = set(before) | set(fingerprint)
+    differ = sorted(k for k in keys - {"input_state"} if before.get(k) != fingerprint.get(k))
+    if differ:
+        raise UsageError(f"--resume: {out} was built with different {', '.join(differ)} "
+                         f"(before: {[before.get(k) for k in differ]}, now: "
+                         f"{[fingerprint.get(k) for k in differ]}); rerun with the same settings "
+                         "or use --overwrite")
+
+
+def verify_done_parts(out: Path, done: list, *, part_stats: str) -> None:
+    """Re-hash the input bytes each finished part was made from (recorded by its task) and refuse
+    --resume where they differ: an edit that kept the file's size and modification time."""
+    from preprocessing.inputs import digest, reading
+
+    cache: dict = {}
+    for chunk in done:
+        stats = json.loads((out / chunk.name / part_stats).read_text())
+        source = stats.get("source")
+        if not source:
+            raise UsageError(f"--resume: {out / chunk.name} was written by an older builder that did not "
+                             "record a digest of its input; rebuild with --overwrite")
+        lo, hi = source["span"]
+        with reading(chunk.file):
+            now = digest(chunk.file.path, lo, hi, cache=cache)
+        if now != source["xxh64"]:
+            raise UsageError(
+                f"--resume: {chunk.file.path} changed since {out / chunk.name} was made from it (its bytes "
+                f"{lo:,}-{hi:,} differ, though the file's size and modification time do not); its finished "
+                "parts hold the old text, so rebuild with --overwrite")
+
+
+def remove_stale(out: Path, *, keep: set[str], part_stats: str) -> None:
+    """Drop temporary folders of interrupted tasks and parts that are not in this plan."""
+    for child in out.iterdir():
+        if child.name.startswith(".tmp-part-") or (child.name.startswith("part-") and child.name not in keep):
+            shutil.rmtree(child, ignore_errors=True)
+        elif child.name.startswith("part-") and not (child / part_stats).is_file():
+            shutil.rmtree(child, ignore_errors=True)
+
+
+def concat_rejects(out: Path, part_names: list[str], *, part_rejects: str) -> None:
+    with open(out / REJECTS, "w", encoding="utf-8") as dst:
+        for name in part_names:
+            src = out / name / part_rejects
+            if src.is_file():
+                with open(src, encoding="utf-8") as f:
+                    shutil.copyfileobj(f, dst)
