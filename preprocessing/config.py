@@ -45,7 +45,7 @@ class BuildConfig:
             raise UsageError("--output: required")
         if bool(self.tokenizer) == bool(self.train_tokenizer):
             raise UsageError("give exactly one of --tokenizer DIR_OR_NAME and "
-                             "--train_tokenizer wordpiece|sentencepiece")
+                             f"--train_tokenizer {'|'.join(TRAINABLE)}")
         if self.train_tokenizer and self.train_tokenizer not in TRAINABLE:
             raise UsageError(f"--train_tokenizer {self.train_tokenizer}: choose one of {', '.join(TRAINABLE)}")
         if self.train_tokenizer and not 100 <= self.vocab_size <= 1 << 20:

@@ -3,8 +3,8 @@ save it as a Hugging Face tokenizer folder; plus the worker-side batch encoder.
 
 Trained tokenizers normalise with NFKC, lower-case unless told otherwise, and isolate every CJK
 ideograph as its own token, as BERT-Chinese does. 'wordpiece' is BERT's algorithm (`##`
-continuation pieces); 'sentencepiece' is the SentencePiece unigram algorithm (trained with HF
-tokenizers' UnigramTrainer, `▁` marks a word start).
+continuation pieces); 'unigram' is the unigram algorithm as HF tokenizers' UnigramTrainer
+implements it (`▁` marks a word start).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from preprocessing.inputs import Chunk
 from preprocessing.text import _CJK_CLASS, CJK_RANGES, clean_text
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-TRAINABLE = ("wordpiece", "sentencepiece")
+TRAINABLE = ("wordpiece", "unigram")
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def new_tokenizer(kind: str, *, lowercase: bool = True):
         tok = Tokenizer(models.WordPiece(unk_token="[UNK]", continuing_subword_prefix="##"))
         tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         tok.decoder = decoders.WordPiece(prefix="##")
-    elif kind == "sentencepiece":
+    elif kind == "unigram":
         tok = Tokenizer(models.Unigram())
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
@@ -107,7 +107,7 @@ def train_tokenizer(kind: str, *, texts: Sequence[str] | Callable[[], Iterable[s
     spec = json.loads(tok.to_str())
     # The seeds are ordinary pieces, not special tokens (which decoding would skip).
     spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] in SPECIAL_TOKENS]
-    if kind == "sentencepiece":
+    if kind == "unigram":
         # The same pieces every run, but their scores differ in the last bits (hash-map order of
         # float sums) and their order with them: round the scores, then sort, for stable ids.
         pieces = spec["model"]["vocab"]
