@@ -68,7 +68,7 @@ def _build(ray, cfg: BuildConfig, *, out: Path, files: list[InputFile], chunks: 
                                   budget_bytes=int(cfg.tokenizer_train_mb * MB))
     tok = prepare_tokenizer(tokenizer=cfg.tokenizer, train=cfg.train_tokenizer,
                             vocab_size=cfg.vocab_size, lowercase=cfg.lowercase,
-                            out_dir=out / "tokenizer", texts=texts)
+                            out_dir=out / "tokenizer", texts=texts, sp_model_type=cfg.sp_model_type)
     fingerprint = _fingerprint(cfg, files=files, chunk_bytes=chunk_bytes, tok=tok)
     if previous is not None:
         _check_resumable(previous, fingerprint=fingerprint, out=out)

@@ -1,10 +1,15 @@
 """Tokenizers: load one (folder or hub name), or train a joint English+Chinese vocabulary, and
 save it as a Hugging Face tokenizer folder; plus the worker-side batch encoder.
 
-Trained tokenizers normalise with NFKC, lower-case unless told otherwise, and isolate every CJK
-ideograph as its own token, as BERT-Chinese does. 'wordpiece' is BERT's algorithm (`##`
-continuation pieces); 'unigram' is the unigram algorithm as HF tokenizers' UnigramTrainer
-implements it (`▁` marks a word start).
+Trained kinds (`--train_tokenizer`), all lower-cased unless told otherwise, with [PAD] [UNK] [CLS]
+[SEP] [MASK] as ids 0-4:
+- 'wordpiece': BERT's algorithm (`##` continuation pieces), HF tokenizers' WordPieceTrainer;
+- 'unigram': the unigram algorithm as HF tokenizers' UnigramTrainer implements it (`▁` marks a
+  word start);
+- 'sentencepiece': the `sentencepiece` library itself (unigram or BPE, `--sp_model_type`) with its
+  own normalisation; a Chinese piece may span several ideographs (sentencepiece_tokenizer.py).
+The first two normalise with NFKC and isolate every CJK ideograph as its own token, as
+BERT-Chinese does.
 """
 from __future__ import annotations
 
@@ -25,7 +30,8 @@ from preprocessing.inputs import Chunk
 from preprocessing.text import _CJK_CLASS, CJK_RANGES, clean_text
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-TRAINABLE = ("wordpiece", "unigram")
+TRAINABLE = ("wordpiece", "unigram", "sentencepiece")
+SP_MODEL_TYPES = ("unigram", "bpe")  # --sp_model_type, for --train_tokenizer sentencepiece
 
 
 @dataclass(frozen=True)
@@ -75,16 +81,17 @@ def new_tokenizer(kind: str, *, lowercase: bool = True):
         ])
         tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
     else:
-        raise UsageError(f"--train_tokenizer {kind}: choose one of {', '.join(TRAINABLE)}")
+        raise UsageError(f"--train_tokenizer {kind}: new_tokenizer makes 'wordpiece' or 'unigram' "
+                         "('sentencepiece' is trained by sentencepiece_tokenizer.train_sentencepiece)")
     tok.normalizer = _normalizer(lowercase)
     return tok
 
 
 def train_tokenizer(kind: str, *, texts: Sequence[str] | Callable[[], Iterable[str]], vocab_size: int,
                     lowercase: bool = True):
-    """Train a joint vocabulary on `texts` (cleaned lines; a callable is called once per pass).
-    Returns a `tokenizers.Tokenizer` whose first ids are SPECIAL_TOKENS, with BERT's
-    [CLS] A [SEP] B [SEP] post-processor. The same texts give the same tokenizer, run after run."""
+    """Train a joint 'wordpiece' or 'unigram' vocabulary on `texts` (cleaned lines; a callable is
+    called once per pass). Returns a `tokenizers.Tokenizer` whose first ids are SPECIAL_TOKENS,
+    with BERT's [CLS] A [SEP] B [SEP] post-processor. The same texts give the same tokenizer, run after run."""
     from tokenizers import Tokenizer, processors, trainers
 
     if not callable(texts) and iter(texts) is texts:
@@ -241,15 +248,23 @@ def describe(tok_dir: Path, *, source: str, kind: str | None = None) -> Tokenize
 
 def prepare_tokenizer(*, tokenizer: str | None, train: str | None, vocab_size: int,
                       lowercase: bool, out_dir: Path,
-                      texts: Callable[[], Iterable[str]] | None) -> TokenizerInfo:
+                      texts: Callable[[], Iterable[str]] | None,
+                      sp_model_type: str | None = None) -> TokenizerInfo:
     """Fill out_dir (OUTPUT/tokenizer) and describe it. An existing out_dir is reused as is (a
-    resumed build keeps the tokenizer its finished parts were made with)."""
+    resumed build keeps the tokenizer its finished parts were made with). `sp_model_type`
+    (default 'unigram') applies to train='sentencepiece' only."""
     if (out_dir / "tokenizer.json").exists():
         return describe(out_dir, source=tokenizer or f"trained:{train}", kind=train)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        if train:
+        if train == "sentencepiece":
+            from preprocessing.sentencepiece_tokenizer import save_sentencepiece, train_sentencepiece
+
+            proto = train_sentencepiece(texts() if texts else [], vocab_size=vocab_size,
+                                        model_type=sp_model_type or "unigram", lowercase=lowercase)
+            save_sentencepiece(proto, tmp)
+        elif train:
             tok = train_tokenizer(train, texts=texts or [], vocab_size=vocab_size, lowercase=lowercase)
             save_trained(tok, tmp, kind=train, lowercase=lowercase)
         else:
