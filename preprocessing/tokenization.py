@@ -302,7 +302,15 @@ class SentenceEncoder:
     plus per-token lookup tables: `start_table[id]` (1 if the token starts a word by its own
     spelling: not a `##` piece, or a `▁`/`Ġ` piece) and `cjk_table[id]` (the token is one CJK
     ideograph). start_table is None for tokenizers whose word starts need the pre-tokenizer's
-    word ids."""
+    word ids.
+
+    `spelled` tokenizers follow SentencePiece's convention: '▁' pieces spell the normalised text
+    (a Metaspace pre-tokenizer) and ideographs are not isolated, so a piece may hold several. For
+    them start_table also starts a word at a piece that begins with an ideograph, and words.py
+    aligns tokens to characters with `spelled_len[id]` (the characters a token spells, its '▁'
+    being the space it stands for; UNKNOWN_SPAN for [UNK] and special tokens) and `lead_table[id]`
+    (the token begins with '▁'); `marker_id` is the bare '▁' piece, if any. All three are None
+    for other tokenizers."""
 
     def __init__(self, tokenizer_json: str):
         from tokenizers import Tokenizer
@@ -319,11 +327,20 @@ class SentenceEncoder:
         for piece, i in vocab.items():
             tokens[i] = piece
         special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
-        self.start_table = _start_table(spec, tokens=tokens, special=special)
+        marker = _metaspace_marker(spec)
+        self.spelled = marker is not None and not _isolates_ideographs(spec)
+        self.start_table = _start_table(spec, tokens=tokens, special=special, spelled=self.spelled)
         model = spec["model"]
         unk = model.get("unk_id", model.get("unk_token"))
         self.unk_id = unk if isinstance(unk, int) or unk is None else vocab.get(unk)
         self.cjk_table = np.array([len(t) == 1 and _is_cjk(t) for t in tokens], dtype=bool)
+        self.spelled_len = self.lead_table = self.marker_id = None
+        if self.spelled:
+            self.lead_table = np.array([t.startswith(marker) for t in tokens], dtype=bool)
+            lengths = np.array([len(t) or UNKNOWN_SPAN for t in tokens], dtype=np.int64)
+            lengths[list(special | ({self.unk_id} - {None}))] = UNKNOWN_SPAN
+            self.spelled_len = lengths
+            self.marker_id = vocab.get(marker)
 
     def encode(self, sentences: list[str], *, offsets: bool = False):
         """(ids_T uint32, lengths_S int64, encodings): the sentences' tokens concatenated, how
@@ -341,20 +358,41 @@ def _is_cjk(ch: str) -> bool:
     return any(lo <= cp <= hi for lo, hi in CJK_RANGES)
 
 
-def _start_table(spec: dict, *, tokens: list[str], special: set[int]) -> np.ndarray | None:
+# spelled_len of a token whose text span is unknown: a sentence holding one cannot add up to its
+# length, so words.py aligns it by offsets instead.
+UNKNOWN_SPAN = -(1 << 40)
+
+
+def _metaspace_marker(spec: dict) -> str | None:
+    metaspace = _find_component(spec.get("pre_tokenizer"), "Metaspace")
+    return None if metaspace is None else metaspace.get("replacement", "▁")
+
+
+def _isolates_ideographs(spec: dict) -> bool:
+    """True when the normaliser puts spaces around every CJK ideograph (BERT's rule), so that no
+    piece can hold more than one."""
+    bert = _find_component(spec.get("normalizer"), "BertNormalizer")
+    return bert is not None and bool(bert.get("handle_chinese_chars"))
+
+
+def _start_table(spec: dict, *, tokens: list[str], special: set[int], spelled: bool = False) -> np.ndarray | None:
     model = spec["model"]
     if model["type"] == "WordPiece":
         prefix = model.get("continuing_subword_prefix") or "##"
         table = [not t.startswith(prefix) for t in tokens]
     else:
-        metaspace = _find_component(spec.get("pre_tokenizer"), "Metaspace")
-        if metaspace is not None:
-            marker = metaspace.get("replacement", "▁")
-        elif _find_component(spec.get("pre_tokenizer"), "ByteLevel") is not None:
+        marker = _metaspace_marker(spec)
+        if marker is None and _find_component(spec.get("pre_tokenizer"), "ByteLevel") is not None:
             marker = "Ġ"
-        else:
+        if marker is None:
             return None
-        table = [t.startswith(marker) or (len(t) == 1 and _is_cjk(t)) for t in tokens]
+        if spelled:
+            # A piece that begins with an ideograph follows a piece of another script (sentencepiece's
+            # split_by_unicode_script), where jieba would start a word too; in Chinese sentences
+            # words.py replaces these flags by rjieba's.
+            table = [t.startswith(marker) or (t[:1] != "" and _is_cjk(t[0])) for t in tokens]
+        else:
+            table = [t.startswith(marker) or (len(t) == 1 and _is_cjk(t)) for t in tokens]
     out = np.array(table, dtype=np.uint8)
     out[list(special)] = 1
     if model["type"] != "WordPiece":

@@ -1,13 +1,18 @@
 """--train_tokenizer sentencepiece: a real SentencePiece model (unigram and BPE) whose Hugging Face
 folder gives exactly the `.model` file's ids on held-out English and Chinese text, round-trips,
-trains reproducibly and keeps BERT's special tokens."""
+trains reproducibly, keeps BERT's special tokens, gets word starts by SentencePiece's '▁'
+convention (rjieba's words in Chinese), and builds shards a trainer run learns from."""
 from __future__ import annotations
 
 import json
+import logging
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
-from build_helpers import SAMPLE_EN, SAMPLE_ZH, squash
+import rjieba
+from build_helpers import SAMPLE_EN, SAMPLE_ZH, read_samples, squash, write_bert_text, write_jsonl
 
 from preprocessing.errors import UsageError
 from preprocessing.text import clean_text, split_sentences
@@ -285,3 +290,198 @@ def test_command_line_flags(tmp_path, capsys):
         parse_args(base + ["--train_tokenizer", "sentencepiece", "--sp_model_type", "char"])
     assert exit_info.value.code == 2 and "--sp_model_type" in capsys.readouterr().err
     assert not (tmp_path / "out" / "build_manifest.json").exists()
+
+
+# ---- word starts -----------------------------------------------------------------------------------
+def reference_sp_starts(tokenizer, sentence: str, *, zh: bool) -> list[int]:
+    """Word starts of one sentence, token by token with offsets (`tokenizer`: a tokenizers.Tokenizer):
+    the first token starts a word; a token right after a bare '▁' does not (that '▁' started its
+    word); a '▁' token does; in Chinese any other token starts where rjieba starts a word at its first
+    character; elsewhere a token starts a word when it begins with an ideograph."""
+    starts, pos = set(), 0
+    for word in rjieba.cut(sentence):
+        starts.add(pos)
+        pos += len(word)
+    e = tokenizer.encode(sentence, add_special_tokens=False)
+    out = []
+    for j, (token, (lo, _)) in enumerate(zip(e.tokens, e.offsets)):
+        if j == 0:
+            out.append(1)
+        elif e.tokens[j - 1] == "▁":
+            out.append(0)
+        elif token.startswith("▁"):
+            out.append(1)
+        elif zh:
+            out.append(int(lo in starts))
+        else:
+            out.append(int(token != "[UNK]" and CJK(token[0])))
+    return out
+
+
+def test_spelled_positions_are_the_offsets(sp_dir, data):
+    """words.py's vectorised alignment (token lengths added up) gives every token's first character
+    as HF's offsets do, in every sentence without an [UNK]; a sentence with one is left to offsets."""
+    from preprocessing.tokenization import SentenceEncoder
+    from preprocessing.words import spelled_char_positions
+
+    encoder = SentenceEncoder((sp_dir / "tokenizer.json").read_text())
+    # The builder's (cleaned) sentences, then one whose spaces the normaliser collapses.
+    sentences = sentences_of(data[1]["zh"] + data[1]["en"], "zh") + [clean_text(s) for s in ODD[:2]] + [ODD[2]]
+    ids, lengths, encodings = encoder.encode(sentences, offsets=True)
+    char_t, ok_S = spelled_char_positions(encoder, ids_t=ids.astype(np.int64), n_tok=lengths,
+                                          char_lens=np.array([len(s) for s in sentences]))
+    has_unk = np.array([1 in e.ids for e in encodings])
+    assert (ok_S[:-1] == ~has_unk[:-1]).all() and not ok_S[-1]
+    assert ok_S.sum() > 100 and has_unk.sum() > 0
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    for i in np.flatnonzero(ok_S):
+        e = encodings[i]
+        expected = [-1 if j == 0 and token.startswith("▁") else lo  # the '▁' sentencepiece puts in front
+                    for j, (token, (lo, _)) in enumerate(zip(e.tokens, e.offsets))]
+        assert char_t[starts[i]:starts[i + 1]].tolist() == expected, sentences[i]
+
+
+def test_word_starts_follow_the_marker_and_rjieba(sp_dir, data):
+    from tokenizers import Tokenizer
+
+    from preprocessing.tokenization import SentenceEncoder
+    from preprocessing.words import word_starts
+
+    raw = Tokenizer.from_file(str(sp_dir / "tokenizer.json"))
+    raw.encode_special_tokens = True
+    en_lines, zh_lines = data[1]["en"] + sample_docs()[0][0], data[1]["zh"] + sample_docs()[1][0]
+    # English text with Chinese words glued to it: a multi-ideograph piece after a Latin one
+    words = sorted(p for p in raw.get_vocab() if len(p) > 1 and all(map(CJK, p)))[:30]
+    glued = [f"the{a}and{b} in 2018{a}." for a, b in zip(words[::2], words[1::2])]
+    sentences = sentences_of(en_lines, "en") + ["Unbelievably, counter-intuitive re-entry in 2018!",
+                                                 "hello 北京 world", *glued]
+    n_en = len(sentences)
+    sentences += sentences_of(zh_lines, "zh") + [s for s in ODD[:3] + ODD[8:9] if s.strip()]
+    zh = np.arange(len(sentences)) >= n_en
+    encoder = SentenceEncoder((sp_dir / "tokenizer.json").read_text())
+    assert encoder.spelled
+    ids, lengths, encodings = encoder.encode(sentences)
+    ws = word_starts(encoder, ids_T=ids, lengths_S=lengths, encodings=encodings, sentences=sentences, zh_S=zh)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    for i, sentence in enumerate(sentences):
+        assert ws[offsets[i]:offsets[i + 1]].tolist() == reference_sp_starts(raw, sentence, zh=bool(zh[i])), sentence
+    # The test exercises real words: Chinese words of several tokens, pieces of several ideographs,
+    # non-ideograph tokens rjieba starts words at, and sentences aligned by offsets ([UNK]).
+    zh_tokens = slice(offsets[n_en], None)
+    pieces = [encoder.tok.id_to_token(int(t)) for t in ids[zh_tokens]]
+    assert (ws[zh_tokens] == 0).sum() > 100 and sum(len(p) > 1 and all(map(CJK, p)) for p in pieces) > 20
+    assert sum(f == 1 and not p.startswith("▁") and not CJK(p[0]) for p, f in zip(pieces, ws[zh_tokens])) > 20
+    assert 1 in ids[zh_tokens]
+    en_pieces = [encoder.tok.id_to_token(int(t)) for t in ids[:offsets[n_en]]]
+    assert sum(len(p) > 1 and all(map(CJK, p)) and f == 1 and q != "▁"
+               for p, q, f in zip(en_pieces[1:], en_pieces, ws[1:offsets[n_en]])) > 10
+
+
+
+# ---- the builder and the trainer -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_here():
+    """One Ray on 127.0.0.1 for the module (conftest keeps Ray on loopback)."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    assert ray.util.get_node_ip_address() == "127.0.0.1"
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def build(tmp_path: Path, *, model_type: str, fmt: str, max_seq_len: int, out_name: str,
+          docs: tuple[list[list[str]], list[list[str]]] | None = None) -> tuple[Path, dict, list]:
+    """Shards of English (BERT text) and Chinese (JSONL) documents, by default the sample corpus,
+    with a SentencePiece tokenizer the builder trains on them. Returns (OUTPUT, manifest, the
+    documents in input order with their languages). Needs an initialised Ray."""
+    from preprocessing.builder import build_shards
+    from preprocessing.config import BuildConfig
+
+    en, zh = docs or sample_docs()
+    d = tmp_path / f"{out_name}_inputs"
+    d.mkdir()
+    write_bert_text(d / "en.txt", en)
+    write_jsonl(d / "zh.jsonl", zh)
+    out = tmp_path / out_name
+    cfg = BuildConfig(inputs=[f"en:{d / 'en.txt'}", f"zh:{d / 'zh.jsonl'}"], output=str(out),
+                      train_tokenizer="sentencepiece", sp_model_type=model_type, vocab_size=2000, format=fmt,
+                      max_seq_len=max_seq_len, chunk_mb=64, num_workers=2, seed=3, progress=False)
+    return out, build_shards(cfg), [(doc, "en") for doc in en] + [(doc, "zh") for doc in zh]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("model_type", ["unigram", "bpe"])
+def test_shard_build_holds_sentencepiece_ids_and_word_starts(ray_here, tmp_path, model_type):
+    """Packed shards: each part's token stream is exactly sentencepiece's ids of every sentence of
+    its documents, a [SEP] after each document, cut into [CLS] + block samples; word starts are
+    the reference's."""
+    from tokenizers import Tokenizer
+
+    out, manifest, docs = build(tmp_path, model_type=model_type, fmt="packed", max_seq_len=64, out_name="packed")
+    tok_dir = out / "tokenizer"
+    assert manifest["tokenizer"]["kind"] == "sentencepiece" and manifest["config"]["sp_model_type"] == model_type
+    assert (tok_dir / "spiece.model").is_file() and manifest["chunks"] == 2
+    sp = sp_of(tok_dir)
+    raw = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    raw.encode_special_tokens = True
+    index = json.loads((out / "index.json").read_text())
+    samples = read_samples(out)
+    by_part: dict[str, list] = {}
+    pos = 0
+    for shard in index["shards"]:
+        by_part.setdefault(shard["raw_data"]["basename"].split("/")[0], []).extend(samples[pos:pos + shard["samples"]])
+        pos += shard["samples"]
+    assert len(by_part) == 2
+    for (name, part), lang in zip(sorted(by_part.items()), ("en", "zh")):
+        expected, expected_ws = [], []
+        for lines, doc_lang in docs:
+            if doc_lang == lang:
+                for s in sentences_of(lines, lang):
+                    expected += sp.encode(s)
+                    expected_ws += reference_sp_starts(raw, s, zh=lang == "zh")
+                expected += [3]
+                expected_ws += [1]
+        assert all(s["input_ids"][0] == 2 and len(s["input_ids"]) == 64 for s in part)
+        stream = [t for s in part for t in s["input_ids"][1:].tolist()]
+        stream_ws = [w for s in part for w in s["word_starts"][1:].tolist()]
+        assert len(stream) > 0.9 * len(expected) and stream == expected[:len(stream)], name
+        for k, (got, want) in enumerate(zip(stream_ws, expected_ws)):
+            if k % 63 and stream[k] != 3:  # a sample's first token always starts a word; [SEP] is special
+                assert got == want, (name, k)
+        assert {s["lang"] for s in part} == {lang}
+
+
+@pytest.mark.multiproc
+def test_trainer_runs_from_sentencepiece_shards(ray_here, tmp_path):
+    """MLM with whole-word masking learns from --train_tokenizer sentencepiece shards, launched as
+    the trainer tests launch it (2 CPU ranks, the tiny model, their small English and Chinese
+    grammar, which a few dozen steps can learn); the trainer takes DATA/tokenizer."""
+    from trainer_fixtures import corpus, explain, free_port, read_metrics, run_deepspeed, train_args, write_ds_config
+    from transformers import AutoTokenizer
+
+    docs = (corpus(40, seed=1, lang="en"), corpus(40, seed=2, lang="zh"))
+    out, manifest, _ = build(tmp_path, model_type="unigram", fmt="packed", max_seq_len=32, out_name="shards", docs=docs)
+    tok = AutoTokenizer.from_pretrained(out / "tokenizer")
+    assert manifest["tokenizer"]["vocab_size"] == len(tok) and manifest["counts"]["samples"] > 40
+    assert any(len(p) > 1 and all(map(CJK, p)) for p in tok.get_vocab())  # SentencePiece's Chinese words
+    ds = write_ds_config(tmp_path / "ds.json", micro=4)
+    save = tmp_path / "run"
+    # A generous timeout: DeepSpeed JIT-builds its CPU ops (minutes) whenever another checkout of
+    # this repo has rebuilt them from its own path since.
+    proc = run_deepspeed(free_port(), train_args(ds_config=ds, objective="mlm", data=[out], save_dir=save, max_steps=60,
+                                                 extra=["--lr", "5e-3", "--whole_word_masking"]), timeout=800)
+    assert proc.returncode == 0, explain(proc)
+    rows = read_metrics(save)
+    assert [r["step"] for r in rows] == list(range(1, 61))
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
+    # From ln(V) to what the grammar allows within a few dozen steps; the later steps are averaged
+    # because a batch holds only some 40 masked tokens.
+    mean = lambda part, key: sum(r[key] for r in part) / len(part)  # noqa: E731
+    assert mean(rows[-15:], "mlm_loss") < 0.9 * mean(rows[:3], "mlm_loss")
+    assert mean(rows[-15:], "mlm_acc") > mean(rows[:3], "mlm_acc") + 0.03
+    config = json.loads((save / "config.json").read_text())
+    assert str(out / "tokenizer") in json.dumps(config)
