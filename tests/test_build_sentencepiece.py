@@ -1,7 +1,8 @@
 """--train_tokenizer sentencepiece: a real SentencePiece model (unigram and BPE) whose Hugging Face
 folder gives exactly the `.model` file's ids on held-out English and Chinese text, round-trips,
 trains reproducibly, keeps BERT's special tokens, gets word starts by SentencePiece's '▁'
-convention (rjieba's words in Chinese), and builds shards a trainer run learns from."""
+convention (rjieba's words in Chinese), and builds shards a trainer run learns from. Also: the
+datasets-folder reader lists its Arrow files through datasets' public API (issue 14, item 6)."""
 from __future__ import annotations
 
 import json
@@ -485,3 +486,25 @@ def test_trainer_runs_from_sentencepiece_shards(ray_here, tmp_path):
     assert mean(rows[-15:], "mlm_acc") > mean(rows[:3], "mlm_acc") + 0.03
     config = json.loads((save / "config.json").read_text())
     assert str(out / "tokenizer") in json.dumps(config)
+
+
+# ---- datasets folders (issue 14, item 6) ---------------------------------------------------------
+def test_datasets_folder_files_come_from_the_public_api(tmp_path, monkeypatch):
+    """A save_to_disk folder's Arrow files, listed by datasets.load_from_disk, keep the folder as
+    spelled (a relative path stays relative) and the split order; a broken folder is a UsageError."""
+    import datasets
+
+    from preprocessing.inputs import resolve_inputs
+
+    monkeypatch.chdir(tmp_path)
+    datasets.Dataset.from_dict({"text": [f"row {i}" for i in range(300)]}).save_to_disk("hf", max_shard_size="1KB")
+    datasets.DatasetDict({"zeta": datasets.Dataset.from_dict({"text": ["z"]}),
+                          "alpha": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk("hfd")
+    files = resolve_inputs(["hf", "hfd"])
+    paths = [f.path for f in files]
+    n = len(paths) - 2
+    assert n > 1 and paths[:n] == [f"hf/data-{i:05d}-of-{n:05d}.arrow" for i in range(n)]
+    assert paths[-2:] == ["hfd/zeta/data-00000-of-00001.arrow", "hfd/alpha/data-00000-of-00001.arrow"]
+    next((tmp_path / "hf").glob("data-00001-*.arrow")).unlink()
+    with pytest.raises(UsageError, match="--input hf: cannot open the datasets folder hf"):
+        resolve_inputs(["hf"])
