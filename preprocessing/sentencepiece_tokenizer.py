@@ -50,6 +50,7 @@ def train_sentencepiece(texts: Iterable[str], *, vocab_size: int, model_type: st
 
     if model_type not in SP_MODEL_TYPES:
         raise UsageError(f"--sp_model_type {model_type}: choose one of {', '.join(SP_MODEL_TYPES)}")
+    _model_pb2()  # a protobuf that cannot read the model fails now, not after the training
     lines = _Lines(texts)
     model = io.BytesIO()
     spm.set_random_generator_seed(TRAIN_SEED)
@@ -63,7 +64,7 @@ def train_sentencepiece(texts: Iterable[str], *, vocab_size: int, model_type: st
             control_symbols=["[CLS]", "[SEP]", "[MASK]"], required_chars=_required_chars(lowercase),
             hard_vocab_limit=False, max_sentence_length=MAX_SENTENCE_BYTES, input_sentence_size=0,
             num_threads=num_threads, minloglevel=1)
-    except RuntimeError as err:
+    except (RuntimeError, SystemError) as err:  # sentencepiece 0.2.0 reports a failed iterator as SystemError
         if lines.error is not None:  # the reader failed; sentencepiece wraps it in a RuntimeError
             raise lines.error from None
         if lines.count == 0:
@@ -115,6 +116,28 @@ def _required_chars(lowercase: bool) -> str:
     return "" if lowercase else "".join(sorted(set("".join(SPECIAL_TOKENS))))
 
 
+def _model_pb2():
+    """sentencepiece's generated ModelProto module. Its code from sentencepiece 0.2.3 on checks the
+    protobuf runtime (0.2.3: protobuf >= 7.36.1, < 8); say so instead of protobuf's bare error."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except Exception as err:  # ImportError (no protobuf, or one without runtime_version) or VersionError
+        import importlib.metadata as md
+
+        def version(name: str) -> str:
+            try:
+                return md.version(name)
+            except md.PackageNotFoundError:
+                return "not installed"
+
+        raise UsageError(
+            f"--train_tokenizer sentencepiece: sentencepiece {version('sentencepiece')} cannot read its model "
+            f"file with protobuf {version('protobuf')} ({type(err).__name__}: {err}); install the protobuf "
+            "its model code was generated for (pip install -U protobuf), or sentencepiece<0.2.3 with "
+            "protobuf>=3.20") from err
+    return sentencepiece_model_pb2
+
+
 def _exact_scores(proto: bytes) -> bytes:
     """The model with every unigram score rounded to a multiple of 2**-SCORE_BITS (at most 0.008
     off a log-probability). Both Viterbi implementations break ties between equal-scoring paths
@@ -123,9 +146,7 @@ def _exact_scores(proto: bytes) -> bytes:
     1 Chinese news line in 6,000). On the grid every partial sum up to 2**(24 - SCORE_BITS) in
     magnitude (some 10,000 pieces, far more than a builder sentence) is exact in both, so both pick
     the same path."""
-    from sentencepiece import sentencepiece_model_pb2 as model_pb2
-
-    m = model_pb2.ModelProto()
+    m = _model_pb2().ModelProto()
     m.ParseFromString(proto)
     for piece in m.pieces:
         if piece.type == _NORMAL:
@@ -149,9 +170,9 @@ def hf_tokenizer_from_sentencepiece(proto: bytes):
     the normalizer below does the same steps in the same order. The pre-tokenizer then splits at
     '▁' (no piece holds a '▁' after its first character, sentencepiece's split_by_whitespace), so
     HF's per-word cache works; unknown characters are fused into one [UNK] as sentencepiece does."""
-    from sentencepiece import sentencepiece_model_pb2 as model_pb2
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+    model_pb2 = _model_pb2()
     m = model_pb2.ModelProto()
     m.ParseFromString(proto)
     spec = m.trainer_spec
