@@ -87,7 +87,7 @@ def _build(ray, cfg: BuildConfig, *, out: Path, files: list[InputFile], chunks: 
                                   budget_bytes=int(cfg.tokenizer_train_mb * MB))
     tok = prepare_tokenizer(tokenizer=cfg.tokenizer, train=cfg.train_tokenizer,
                             vocab_size=cfg.vocab_size, lowercase=cfg.lowercase,
-                            out_dir=out / "tokenizer", texts=texts)
+                            out_dir=out / "tokenizer", texts=texts, sp_model_type=cfg.sp_model_type)
     fp = fingerprint(cfg, files=files, chunk_bytes=chunk_bytes, tokenizer_sha256=tok.sha256,
                      output_keys=OUTPUT_KEYS)
     done = [c for c in chunks if (out / c.name / PART_STATS).is_file()] if previous else []

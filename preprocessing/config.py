@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from preprocessing import charsets
 from preprocessing.errors import UsageError
-from preprocessing.tokenization import TRAINABLE
+from preprocessing.tokenization import SP_MODEL_TYPES, TRAINABLE
 
 FORMATS = ("nsp", "packed")
 
@@ -20,6 +20,7 @@ class BuildConfig:
     output: str
     tokenizer: str | None = None
     train_tokenizer: str | None = None
+    sp_model_type: str | None = None  # --train_tokenizer sentencepiece only (default unigram)
     vocab_size: int = 30522
     lowercase: bool = True
     tokenizer_train_mb: float = 256.0
@@ -39,6 +40,11 @@ class BuildConfig:
     remote: str | None = None
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        # Resolved here, so a resumed build compares (and the manifest records) the algorithm used.
+        if self.train_tokenizer == "sentencepiece" and self.sp_model_type is None:
+            self.sp_model_type = "unigram"
+
     def validate(self) -> None:
         """Raise ValueError naming the offending flag and value."""
         if not self.inputs:
@@ -47,9 +53,15 @@ class BuildConfig:
             raise UsageError("--output: required")
         if bool(self.tokenizer) == bool(self.train_tokenizer):
             raise UsageError("give exactly one of --tokenizer DIR_OR_NAME and "
-                             "--train_tokenizer wordpiece|sentencepiece")
+                             f"--train_tokenizer {'|'.join(TRAINABLE)}")
         if self.train_tokenizer and self.train_tokenizer not in TRAINABLE:
             raise UsageError(f"--train_tokenizer {self.train_tokenizer}: choose one of {', '.join(TRAINABLE)}")
+        if self.sp_model_type is not None:
+            if self.sp_model_type not in SP_MODEL_TYPES:
+                raise UsageError(f"--sp_model_type {self.sp_model_type}: choose one of {', '.join(SP_MODEL_TYPES)}")
+            if self.train_tokenizer != "sentencepiece":
+                raise UsageError(f"--sp_model_type {self.sp_model_type}: only applies to --train_tokenizer "
+                                 "sentencepiece; drop it or train a sentencepiece tokenizer")
         if self.train_tokenizer and not 100 <= self.vocab_size <= 1 << 20:
             raise UsageError(f"--vocab_size {self.vocab_size}: must be between 100 and {1 << 20}")
         if self.format not in FORMATS:
@@ -84,7 +96,7 @@ class BuildConfig:
 
 # The fields that decide which samples a build writes; a resumed build must agree on them.
 OUTPUT_KEYS = ("format", "max_seq_len", "short_seq_prob", "random_next_prob", "seed", "text_field",
-               "block_mb", "remote", "train_tokenizer", "vocab_size", "lowercase",
+               "block_mb", "remote", "train_tokenizer", "sp_model_type", "vocab_size", "lowercase",
                "tokenizer_train_mb")
 
 
@@ -100,7 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     tok = p.add_argument_group("tokenizer (one of)")
     tok.add_argument("--tokenizer", metavar="DIR_OR_NAME", help="an HF tokenizer folder (or hub name)")
     tok.add_argument("--train_tokenizer", choices=TRAINABLE,
-                     help="train a joint EN+ZH vocabulary on the inputs into OUTPUT/tokenizer")
+                     help="train a joint EN+ZH vocabulary on the inputs into OUTPUT/tokenizer: "
+                          "wordpiece (BERT's), unigram (HF tokenizers' unigram; both keep every "
+                          "ideograph a token), or sentencepiece (the sentencepiece library; keeps "
+                          "its .model file beside the HF tokenizer)")
+    tok.add_argument("--sp_model_type", choices=SP_MODEL_TYPES, default=None,
+                     help="the algorithm of --train_tokenizer sentencepiece (default: unigram)")
     tok.add_argument("--vocab_size", type=int, default=BuildConfig.vocab_size)
     tok.add_argument("--cased", dest="lowercase", action="store_false",
                      help="keep case when training a tokenizer (default: lower-case)")

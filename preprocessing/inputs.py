@@ -16,7 +16,6 @@ import contextlib
 import glob
 import gzip
 import io
-import json
 import os
 import stat
 import zlib
@@ -94,16 +93,18 @@ def _is_hf_dataset_dir(path: Path) -> bool:
 
 
 def _hf_arrow_files(folder: Path, spec: str) -> list[Path]:
-    """The Arrow files of a `save_to_disk` folder, in order (every split of a DatasetDict)."""
-    if (folder / "dataset_dict.json").is_file():
-        splits = json.loads((folder / "dataset_dict.json").read_text())["splits"]
-        return [f for split in splits for f in _hf_arrow_files(folder / split, spec)]
-    state = json.loads((folder / "state.json").read_text())
-    files = [folder / entry["filename"] for entry in state.get("_data_files", [])]
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        raise UsageError(f"--input {spec}: the datasets folder {folder} lists missing files {missing}")
-    return files
+    """The Arrow files of a `save_to_disk` folder, in order (every split of a DatasetDict), as
+    `datasets`' public API lists them (load_from_disk memory-maps them; no row is read)."""
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(folder), keep_in_memory=False)
+    except Exception as err:  # datasets raises FileNotFoundError/ValueError/... depending on the cause
+        raise UsageError(f"--input {spec}: cannot open the datasets folder {folder} ({err})") from err
+    caches = loaded.cache_files  # {split: [...]} for a DatasetDict, in dataset_dict.json's order
+    entries = [e for split in caches.values() for e in split] if isinstance(caches, dict) else caches
+    # datasets names them by absolute path; keep the folder as the user spelled it (manifest, rejects)
+    return [folder / os.path.relpath(entry["filename"], os.path.abspath(folder)) for entry in entries]
 
 
 def classify(path: Path) -> tuple[str, str | None]:

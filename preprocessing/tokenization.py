@@ -1,10 +1,15 @@
 """Tokenizers: load one (folder or hub name), or train a joint English+Chinese vocabulary, and
 save it as a Hugging Face tokenizer folder; plus the worker-side batch encoder.
 
-Trained tokenizers normalise with NFKC, lower-case unless told otherwise, and isolate every CJK
-ideograph as its own token, as BERT-Chinese does. 'wordpiece' is BERT's algorithm (`##`
-continuation pieces); 'sentencepiece' is the SentencePiece unigram algorithm (trained with HF
-tokenizers' UnigramTrainer, `▁` marks a word start).
+Trained kinds (`--train_tokenizer`), all lower-cased unless told otherwise, with [PAD] [UNK] [CLS]
+[SEP] [MASK] as ids 0-4:
+- 'wordpiece': BERT's algorithm (`##` continuation pieces), HF tokenizers' WordPieceTrainer;
+- 'unigram': the unigram algorithm as HF tokenizers' UnigramTrainer implements it (`▁` marks a
+  word start);
+- 'sentencepiece': the `sentencepiece` library itself (unigram or BPE, `--sp_model_type`) with its
+  own normalisation; a Chinese piece may span several ideographs (sentencepiece_tokenizer.py).
+The first two normalise with NFKC and isolate every CJK ideograph as its own token, as
+BERT-Chinese does.
 """
 from __future__ import annotations
 
@@ -25,7 +30,8 @@ from preprocessing.inputs import Chunk
 from preprocessing.text import _CJK_CLASS, CJK_RANGES, clean_text
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-TRAINABLE = ("wordpiece", "sentencepiece")
+TRAINABLE = ("wordpiece", "unigram", "sentencepiece")
+SP_MODEL_TYPES = ("unigram", "bpe")  # --sp_model_type, for --train_tokenizer sentencepiece
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,7 @@ def new_tokenizer(kind: str, *, lowercase: bool = True):
         tok = Tokenizer(models.WordPiece(unk_token="[UNK]", continuing_subword_prefix="##"))
         tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         tok.decoder = decoders.WordPiece(prefix="##")
-    elif kind == "sentencepiece":
+    elif kind == "unigram":
         tok = Tokenizer(models.Unigram())
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
@@ -75,16 +81,17 @@ def new_tokenizer(kind: str, *, lowercase: bool = True):
         ])
         tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
     else:
-        raise UsageError(f"--train_tokenizer {kind}: choose one of {', '.join(TRAINABLE)}")
+        raise UsageError(f"--train_tokenizer {kind}: new_tokenizer makes 'wordpiece' or 'unigram' "
+                         "('sentencepiece' is trained by sentencepiece_tokenizer.train_sentencepiece)")
     tok.normalizer = _normalizer(lowercase)
     return tok
 
 
 def train_tokenizer(kind: str, *, texts: Sequence[str] | Callable[[], Iterable[str]], vocab_size: int,
                     lowercase: bool = True):
-    """Train a joint vocabulary on `texts` (cleaned lines; a callable is called once per pass).
-    Returns a `tokenizers.Tokenizer` whose first ids are SPECIAL_TOKENS, with BERT's
-    [CLS] A [SEP] B [SEP] post-processor. The same texts give the same tokenizer, run after run."""
+    """Train a joint 'wordpiece' or 'unigram' vocabulary on `texts` (cleaned lines; a callable is
+    called once per pass). Returns a `tokenizers.Tokenizer` whose first ids are SPECIAL_TOKENS,
+    with BERT's [CLS] A [SEP] B [SEP] post-processor. The same texts give the same tokenizer, run after run."""
     from tokenizers import Tokenizer, processors, trainers
 
     if not callable(texts) and iter(texts) is texts:
@@ -107,7 +114,7 @@ def train_tokenizer(kind: str, *, texts: Sequence[str] | Callable[[], Iterable[s
     spec = json.loads(tok.to_str())
     # The seeds are ordinary pieces, not special tokens (which decoding would skip).
     spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] in SPECIAL_TOKENS]
-    if kind == "sentencepiece":
+    if kind == "unigram":
         # The same pieces every run, but their scores differ in the last bits (hash-map order of
         # float sums) and their order with them: round the scores, then sort, for stable ids.
         pieces = spec["model"]["vocab"]
@@ -241,15 +248,23 @@ def describe(tok_dir: Path, *, source: str, kind: str | None = None) -> Tokenize
 
 def prepare_tokenizer(*, tokenizer: str | None, train: str | None, vocab_size: int,
                       lowercase: bool, out_dir: Path,
-                      texts: Callable[[], Iterable[str]] | None) -> TokenizerInfo:
+                      texts: Callable[[], Iterable[str]] | None,
+                      sp_model_type: str | None = None) -> TokenizerInfo:
     """Fill out_dir (OUTPUT/tokenizer) and describe it. An existing out_dir is reused as is (a
-    resumed build keeps the tokenizer its finished parts were made with)."""
+    resumed build keeps the tokenizer its finished parts were made with). `sp_model_type`
+    (default 'unigram') applies to train='sentencepiece' only."""
     if (out_dir / "tokenizer.json").exists():
         return describe(out_dir, source=tokenizer or f"trained:{train}", kind=train)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        if train:
+        if train == "sentencepiece":
+            from preprocessing.sentencepiece_tokenizer import save_sentencepiece, train_sentencepiece
+
+            proto = train_sentencepiece(texts() if texts else [], vocab_size=vocab_size,
+                                        model_type=sp_model_type or "unigram", lowercase=lowercase)
+            save_sentencepiece(proto, tmp)
+        elif train:
             tok = train_tokenizer(train, texts=texts or [], vocab_size=vocab_size, lowercase=lowercase)
             save_trained(tok, tmp, kind=train, lowercase=lowercase)
         else:
@@ -287,7 +302,15 @@ class SentenceEncoder:
     plus per-token lookup tables: `start_table[id]` (1 if the token starts a word by its own
     spelling: not a `##` piece, or a `▁`/`Ġ` piece) and `cjk_table[id]` (the token is one CJK
     ideograph). start_table is None for tokenizers whose word starts need the pre-tokenizer's
-    word ids."""
+    word ids.
+
+    `spelled` tokenizers follow SentencePiece's convention: '▁' pieces spell the normalised text
+    (a Metaspace pre-tokenizer) and ideographs are not isolated, so a piece may hold several. For
+    them start_table also starts a word at a piece that begins with an ideograph, and words.py
+    aligns tokens to characters with `spelled_len[id]` (the characters a token spells, its '▁'
+    being the space it stands for; UNKNOWN_SPAN for [UNK] and special tokens) and `lead_table[id]`
+    (the token begins with '▁'); `marker_id` is the bare '▁' piece, if any. All three are None
+    for other tokenizers."""
 
     def __init__(self, tokenizer_json: str):
         from tokenizers import Tokenizer
@@ -304,11 +327,20 @@ class SentenceEncoder:
         for piece, i in vocab.items():
             tokens[i] = piece
         special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
-        self.start_table = _start_table(spec, tokens=tokens, special=special)
+        marker = _metaspace_marker(spec)
+        self.spelled = marker is not None and not _isolates_ideographs(spec)
+        self.start_table = _start_table(spec, tokens=tokens, special=special, spelled=self.spelled)
         model = spec["model"]
         unk = model.get("unk_id", model.get("unk_token"))
         self.unk_id = unk if isinstance(unk, int) or unk is None else vocab.get(unk)
         self.cjk_table = np.array([len(t) == 1 and _is_cjk(t) for t in tokens], dtype=bool)
+        self.spelled_len = self.lead_table = self.marker_id = None
+        if self.spelled:
+            self.lead_table = np.array([t.startswith(marker) for t in tokens], dtype=bool)
+            lengths = np.array([len(t) or UNKNOWN_SPAN for t in tokens], dtype=np.int64)
+            lengths[list(special | ({self.unk_id} - {None}))] = UNKNOWN_SPAN
+            self.spelled_len = lengths
+            self.marker_id = vocab.get(marker)
 
     def encode(self, sentences: list[str], *, offsets: bool = False):
         """(ids_T uint32, lengths_S int64, encodings): the sentences' tokens concatenated, how
@@ -326,20 +358,41 @@ def _is_cjk(ch: str) -> bool:
     return any(lo <= cp <= hi for lo, hi in CJK_RANGES)
 
 
-def _start_table(spec: dict, *, tokens: list[str], special: set[int]) -> np.ndarray | None:
+# spelled_len of a token whose text span is unknown: a sentence holding one cannot add up to its
+# length, so words.py aligns it by offsets instead.
+UNKNOWN_SPAN = -(1 << 40)
+
+
+def _metaspace_marker(spec: dict) -> str | None:
+    metaspace = _find_component(spec.get("pre_tokenizer"), "Metaspace")
+    return None if metaspace is None else metaspace.get("replacement", "▁")
+
+
+def _isolates_ideographs(spec: dict) -> bool:
+    """True when the normaliser puts spaces around every CJK ideograph (BERT's rule), so that no
+    piece can hold more than one."""
+    bert = _find_component(spec.get("normalizer"), "BertNormalizer")
+    return bert is not None and bool(bert.get("handle_chinese_chars"))
+
+
+def _start_table(spec: dict, *, tokens: list[str], special: set[int], spelled: bool = False) -> np.ndarray | None:
     model = spec["model"]
     if model["type"] == "WordPiece":
         prefix = model.get("continuing_subword_prefix") or "##"
         table = [not t.startswith(prefix) for t in tokens]
     else:
-        metaspace = _find_component(spec.get("pre_tokenizer"), "Metaspace")
-        if metaspace is not None:
-            marker = metaspace.get("replacement", "▁")
-        elif _find_component(spec.get("pre_tokenizer"), "ByteLevel") is not None:
+        marker = _metaspace_marker(spec)
+        if marker is None and _find_component(spec.get("pre_tokenizer"), "ByteLevel") is not None:
             marker = "Ġ"
-        else:
+        if marker is None:
             return None
-        table = [t.startswith(marker) or (len(t) == 1 and _is_cjk(t)) for t in tokens]
+        if spelled:
+            # A piece that begins with an ideograph follows a piece of another script (sentencepiece's
+            # split_by_unicode_script), where jieba would start a word too; in Chinese sentences
+            # words.py replaces these flags by rjieba's.
+            table = [t.startswith(marker) or (t[:1] != "" and _is_cjk(t[0])) for t in tokens]
+        else:
+            table = [t.startswith(marker) or (len(t) == 1 and _is_cjk(t)) for t in tokens]
     out = np.array(table, dtype=np.uint8)
     out[list(special)] = 1
     if model["type"] != "WordPiece":

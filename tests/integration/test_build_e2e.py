@@ -273,11 +273,11 @@ def test_language_detection_and_trained_tokenizer(ray_here, corpus, tmp_path):
 
     mixed = write_bert_text(tmp_path / "mixed.txt", [x for pair in zip(corpus.en[:20], corpus.zh[:20]) for x in pair])
     out = tmp_path / "sp"
-    m = build_shards(config(corpus, out, inputs=[str(mixed)], tokenizer=None, train_tokenizer="sentencepiece",
+    m = build_shards(config(corpus, out, inputs=[str(mixed)], tokenizer=None, train_tokenizer="unigram",
                             vocab_size=2000, format="nsp", max_seq_len=64, chunk_mb=64))
     tok = AutoTokenizer.from_pretrained(out / "tokenizer")
     # a tiny corpus cannot fill 2000 unigram pieces; the manifest reports what was trained
-    assert m["tokenizer"]["kind"] == "sentencepiece" and m["tokenizer"]["vocab_size"] == len(tok) <= 2000
+    assert m["tokenizer"]["kind"] == "unigram" and m["tokenizer"]["vocab_size"] == len(tok) <= 2000
     assert tok.is_fast and tok.mask_token == "[MASK]"
     assert m["counts"]["tokens_by_lang"]["en"] > 0 and m["counts"]["tokens_by_lang"]["zh"] > 0
     for s in read_samples(out):

@@ -16,7 +16,7 @@ from preprocessing.words import word_starts
 CJK = lambda ch: "\u4e00" <= ch <= "\u9fff"  # noqa: E731  (enough for the sample text)
 
 
-@pytest.fixture(scope="module", params=["wordpiece", "sentencepiece"])
+@pytest.fixture(scope="module", params=["wordpiece", "unigram"])
 def tok_dir(request, tmp_path_factory):
     docs = english_docs(30, seed=1) + chinese_docs()
     return train_tokenizer_dir(tmp_path_factory.mktemp(request.param), docs, kind=request.param,
@@ -96,7 +96,7 @@ def test_copy_tokenizer_checks_what_it_loads(tmp_path):
     assert enc.tok.token_to_id("[SEP]") not in ids.tolist()  # text is never a special token
 
 
-@pytest.mark.parametrize("kind", ["wordpiece", "sentencepiece"])
+@pytest.mark.parametrize("kind", ["wordpiece", "unigram"])
 def test_training_is_reproducible(kind):
     """HF's trainers number pieces in hash-map order (huggingface/tokenizers#1794); ours does not,
     so two builds with --train_tokenizer make the same samples."""
@@ -107,7 +107,7 @@ def test_training_is_reproducible(kind):
     assert len(runs) == 1
 
 
-@pytest.mark.parametrize("kind", ["wordpiece", "sentencepiece"])
+@pytest.mark.parametrize("kind", ["wordpiece", "unigram"])
 def test_training_from_a_generator_equals_training_from_a_list(kind):
     """The trainer reads its texts twice; a one-shot generator must not leave the second pass empty
     (that once produced a vocabulary of bare characters, every Chinese sentence [UNK])."""
