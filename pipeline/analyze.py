@@ -6,6 +6,7 @@
 Writes report/metrics.json, report/layerwise.png, report/heatmap.png, report/training_gap.png (with
 --run) and report/README.md. The logic is in pipeline/evaluation/representation/.
 """
+
 from __future__ import annotations
 
 import argparse

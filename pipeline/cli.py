@@ -8,6 +8,7 @@
 - The exit-code policy: a `UsageError` (bad flag, file or value) exits 2 with one line; anything else
   is a bug, and Python prints its traceback and exits 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,18 +16,30 @@ import dataclasses
 import json
 import sys
 import typing
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Optional
 
 from preprocessing.errors import UsageError
 
 _NOT_SET = dataclasses.MISSING
 
 
-def knob(default: Any = _NOT_SET, help: str = "", *, choices: Optional[tuple] = None, flag: Optional[str] = None,
-         invert: bool = False, required: bool = False, math: bool = True, hidden: bool = False,
-         parse: Optional[Callable[[str], Any]] = None, repeat: bool = False, default_factory: Any = _NOT_SET,
-         metavar: Optional[str] = None) -> Any:
+def knob(
+    default: Any = _NOT_SET,
+    help: str = "",
+    *,
+    choices: Optional[tuple] = None,
+    flag: Optional[str] = None,
+    invert: bool = False,
+    required: bool = False,
+    math: bool = True,
+    hidden: bool = False,
+    parse: Optional[Callable[[str], Any]] = None,
+    repeat: bool = False,
+    default_factory: Any = _NOT_SET,
+    metavar: Optional[str] = None,
+) -> Any:
     """A dataclass field that is also a command-line flag.
 
     `flag` (default `--<field name>`); `invert`: a store_false flag for a bool that defaults to True
@@ -35,8 +48,18 @@ def knob(default: Any = _NOT_SET, help: str = "", *, choices: Optional[tuple] = 
     `parse`: the argparse type for values that are not plain int/float/str; `repeat`: the flag may be
     given several times, each adding one element to a list.
     """
-    meta = {"help": help, "choices": choices, "flag": flag, "invert": invert, "required": required, "math": math,
-            "hidden": hidden, "parse": parse, "repeat": repeat, "metavar": metavar}
+    meta = {
+        "help": help,
+        "choices": choices,
+        "flag": flag,
+        "invert": invert,
+        "required": required,
+        "math": math,
+        "hidden": hidden,
+        "parse": parse,
+        "repeat": repeat,
+        "metavar": metavar,
+    }
     if default_factory is not _NOT_SET:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -64,8 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls
     hints = typing.get_type_hints(cls)
     for f in knob_fields(cls):
         m = f.metadata
-        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS,
-                                  "help": argparse.SUPPRESS if m["hidden"] else _help(f)}
+        kwargs: dict[str, Any] = {
+            "dest": f.name,
+            "default": argparse.SUPPRESS,
+            "help": argparse.SUPPRESS if m["hidden"] else _help(f),
+        }
         base = _base_type(hints[f.name])
         if base is bool:
             kwargs["action"] = "store_false" if m["invert"] else "store_true"
@@ -95,7 +121,9 @@ def set_values(ns: argparse.Namespace, cls: type) -> dict[str, Any]:
     return {f.name: getattr(ns, f.name) for f in knob_fields(cls) if hasattr(ns, f.name)}
 
 
-def parse_into(parser: argparse.ArgumentParser, cls: type, argv: Optional[Sequence[str]]) -> tuple[Any, argparse.Namespace]:
+def parse_into(
+    parser: argparse.ArgumentParser, cls: type, argv: Optional[Sequence[str]]
+) -> tuple[Any, argparse.Namespace]:
     """(an instance of `cls` from the flags typed, over its defaults; the namespace, for other flags).
     A required knob left unset is argparse's usage error (exit 2)."""
     ns = parser.parse_args(argv)
@@ -126,8 +154,14 @@ def load_config_file(path: str) -> dict[str, Any]:
     return data
 
 
-def merge_sections(sections: Mapping[str, type], *, file_values: Mapping[str, Any], cli_values: Mapping[str, dict],
-                   source: str, ignored: tuple[str, ...] = ()) -> dict[str, Any]:
+def merge_sections(
+    sections: Mapping[str, type],
+    *,
+    file_values: Mapping[str, Any],
+    cli_values: Mapping[str, dict],
+    source: str,
+    ignored: tuple[str, ...] = (),
+) -> dict[str, Any]:
     """Build one instance per section: field defaults, then `file_values[section][key]`, then
     `cli_values[section][key]`. `ignored`: top-level keys of the file that are not sections (a run's
     record of what it resolved), skipped. UsageError naming `source` and the key for an unknown key."""
@@ -177,8 +211,9 @@ def math_changes(saved: Mapping[str, Any], now: Mapping[str, Any], sections: Map
     return changed
 
 
-def operational_changes(saved: Mapping[str, Any], now: Mapping[str, Any],
-                        sections: Mapping[str, type]) -> dict[str, tuple]:
+def operational_changes(
+    saved: Mapping[str, Any], now: Mapping[str, Any], sections: Mapping[str, type]
+) -> dict[str, tuple]:
     """The same for knobs marked math=False (allowed on resume, and recorded)."""
     changed = {}
     for key, cls in sections.items():

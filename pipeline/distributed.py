@@ -5,6 +5,7 @@ No other module reads RANK / LOCAL_RANK / WORLD_SIZE / SLURM_* or calls torch.di
 function here also works without a process group (a single process): the gathers return their input
 and the reductions are the identity, so the losses run unchanged in unit tests and notebooks.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -12,7 +13,8 @@ import os
 import re
 import socket
 import warnings
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -30,8 +32,9 @@ def first_host(nodelist: str) -> str:
 
     if shutil.which("scontrol"):
         try:
-            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                                 timeout=10)
+            out = subprocess.run(
+                ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10
+            )
             if out.returncode == 0 and out.stdout.split():
                 return out.stdout.split()[0]
         except (OSError, subprocess.SubprocessError):
@@ -367,8 +370,13 @@ def single_process_env() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             env["MASTER_PORT"] = str(s.getsockname()[1])
-    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
-                 ("MASTER_ADDR", "127.0.0.1")):
+    for k, v in (
+        ("RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("LOCAL_WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+    ):
         env.setdefault(k, v)
 
 
@@ -397,8 +405,10 @@ def release_deepspeed_shm() -> None:
     rank's alone; mappings other ranks hold stay valid after the unlink.
     """
     env = os.environ
-    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR', '')}_"
-            f"{env.get('MASTER_PORT', '')}_{env.get('RANK', rank())}")
+    name = (
+        f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR', '')}_"
+        f"{env.get('MASTER_PORT', '')}_{env.get('RANK', rank())}"
+    )
     try:
         os.unlink(name)
     except OSError:

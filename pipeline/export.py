@@ -4,12 +4,14 @@
 
 The weights are the fp32 master weights of the ZeRO optimizer; the logic is in pipeline/training/hf_export.py.
 """
+
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 if __package__ in (None, ""):  # run as a script: import the repository's packages, not this folder's modules
     _HERE = Path(__file__).resolve().parent

@@ -9,6 +9,7 @@ scored on dev with the official metric; ner/cws read CoNLL files (*train*, *dev*
 BMES tags and are scored with span F1. Writes OUT/results.json and OUT/results.md. Nothing is
 downloaded. The logic is in pipeline/evaluation/downstream/.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> int:
         cfg.validate()
-        run_finetuning(unique_labels([parse_model(m) for m in ns.model]), tasks=[parse_task(t) for t in ns.task],
-                       cfg=cfg, out=ns.out)
+        run_finetuning(
+            unique_labels([parse_model(m) for m in ns.model]),
+            tasks=[parse_task(t) for t in ns.task],
+            cfg=cfg,
+            out=ns.out,
+        )
         return 0
 
     return cli.run(run, prog="finetune.py")

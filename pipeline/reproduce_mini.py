@@ -4,6 +4,7 @@
 
 What it runs and reports: pipeline/evaluation/reproduction.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,11 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> int:
         result = reproduce(cfg)
         for label, s in result["last_layer"].items():
-            print(f"[mini] {label:5s} intra-sentence {s['intra_sentence']:.4f}  intra-context "
-                  f"{s['intra_context']:.4f}  inter-context {s['inter_context']:.4f}  gap {s['gap']:.4f}")
+            print(
+                f"[mini] {label:5s} intra-sentence {s['intra_sentence']:.4f}  intra-context "
+                f"{s['intra_context']:.4f}  inter-context {s['inter_context']:.4f}  gap {s['gap']:.4f}"
+            )
         for name, c in result["checks"].items():
-            print(f"[mini] {name}: {c['value']:.4f} {c['op']} {c['reference']:.4f}: "
-                  f"{'holds' if c['holds'] else 'DOES NOT hold'}")
+            print(
+                f"[mini] {name}: {c['value']:.4f} {c['op']} {c['reference']:.4f}: "
+                f"{'holds' if c['holds'] else 'DOES NOT hold'}"
+            )
         print(f"[mini] report: {cfg.out / 'report' / 'README.md'} ({result['wall_s']} s)")
         return 0
 

@@ -4,6 +4,7 @@ Exit codes: 0 done (or pre-empted after saving); 2 a user error (one line naming
 value and the fix); 1 anything else: a bug, with its traceback on the rank where it happened (the
 other ranks then fail within --dist_timeout_s). The logic is in pipeline/training/.
 """
+
 from __future__ import annotations
 
 import sys

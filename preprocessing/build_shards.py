@@ -3,6 +3,7 @@
     python preprocessing/build_shards.py --input en:corpus/*.txt --input zh:corpus/*.jsonl \
         --output shards/ --train_tokenizer wordpiece --vocab_size 30000 --format nsp --max_seq_len 128
 """
+
 import sys
 from pathlib import Path
 

@@ -14,6 +14,7 @@ OUTPUT/ after a build:
   rejects.jsonl         every skipped line/document with file and line (or row) and reason
   .build.lock           only while a build runs: its pid, host and start (see lock.py)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,18 +23,28 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import Iterator
 
 from preprocessing.config import OUTPUT_KEYS, BuildConfig, parse_args
 from preprocessing.errors import UsageError, note
 from preprocessing.inputs import Chunk, InputFile, auto_chunk_bytes, plan_chunks, resolve_inputs
 from preprocessing.lock import output_lock
 from preprocessing.mds import COMPRESSION, HASHES, SIZE_LIMIT, columns_for, merge_local_indexes
-from preprocessing.output import (MANIFEST, REJECTS, check_output_path, check_resumable, concat_rejects,
-                                  fingerprint, make_output, prepare_output, remove_stale, verify_done_parts,
-                                  write_json)
+from preprocessing.output import (
+    MANIFEST,
+    REJECTS,
+    check_output_path,
+    check_resumable,
+    concat_rejects,
+    fingerprint,
+    make_output,
+    prepare_output,
+    remove_stale,
+    verify_done_parts,
+    write_json,
+)
 from preprocessing.process import PART_REJECTS, PART_STATS, TaskSpec, process_chunk
 from preprocessing.report import aggregate, explain_no_samples, format_summary, versions
 from preprocessing.tokenization import prepare_tokenizer, training_texts
@@ -64,8 +75,17 @@ def build_shards(cfg: BuildConfig) -> dict:
         with _ray_session(cfg) as ray:
             workers = _worker_slots(ray, cfg)
             _warm_up(ray, workers=workers, cfg=cfg)
-            manifest = _build(ray, cfg, out=out, files=files, chunks=chunks, chunk_bytes=chunk_bytes,
-                              previous=previous, workers=workers, t0=t0)
+            manifest = _build(
+                ray,
+                cfg,
+                out=out,
+                files=files,
+                chunks=chunks,
+                chunk_bytes=chunk_bytes,
+                previous=previous,
+                workers=workers,
+                t0=t0,
+            )
     return manifest
 
 
@@ -78,58 +98,98 @@ def _worker_slots(ray, cfg: BuildConfig) -> int:
     return cfg.num_workers or cpus
 
 
-def _build(ray, cfg: BuildConfig, *, out: Path, files: list[InputFile], chunks: list[Chunk], chunk_bytes: int,
-           previous: dict | None, workers: int, t0: float) -> dict:
+def _build(
+    ray,
+    cfg: BuildConfig,
+    *,
+    out: Path,
+    files: list[InputFile],
+    chunks: list[Chunk],
+    chunk_bytes: int,
+    previous: dict | None,
+    workers: int,
+    t0: float,
+) -> dict:
     texts = None
     if cfg.train_tokenizer:
+
         def texts():  # the trainer reads the sample twice
-            return training_texts(chunks, text_field=cfg.text_field,
-                                  budget_bytes=int(cfg.tokenizer_train_mb * MB))
-    tok = prepare_tokenizer(tokenizer=cfg.tokenizer, train=cfg.train_tokenizer,
-                            vocab_size=cfg.vocab_size, lowercase=cfg.lowercase,
-                            out_dir=out / "tokenizer", texts=texts, sp_model_type=cfg.sp_model_type)
-    fp = fingerprint(cfg, files=files, chunk_bytes=chunk_bytes, tokenizer_sha256=tok.sha256,
-                     output_keys=OUTPUT_KEYS)
+            return training_texts(chunks, text_field=cfg.text_field, budget_bytes=int(cfg.tokenizer_train_mb * MB))
+
+    tok = prepare_tokenizer(
+        tokenizer=cfg.tokenizer,
+        train=cfg.train_tokenizer,
+        vocab_size=cfg.vocab_size,
+        lowercase=cfg.lowercase,
+        out_dir=out / "tokenizer",
+        texts=texts,
+        sp_model_type=cfg.sp_model_type,
+    )
+    fp = fingerprint(cfg, files=files, chunk_bytes=chunk_bytes, tokenizer_sha256=tok.sha256, output_keys=OUTPUT_KEYS)
     done = [c for c in chunks if (out / c.name / PART_STATS).is_file()] if previous else []
     if previous is not None:
         check_resumable(previous, fingerprint=fp, out=out)
         verify_done_parts(out, done, part_stats=PART_STATS)
-    manifest = {"status": "running", "config": _resolved_config(cfg, chunk_bytes),
-                "fingerprint": fp, "tokenizer": tok.manifest(), "versions": versions(),
-                "inputs": [asdict(f) for f in files]}
+    manifest = {
+        "status": "running",
+        "config": _resolved_config(cfg, chunk_bytes),
+        "fingerprint": fp,
+        "tokenizer": tok.manifest(),
+        "versions": versions(),
+        "inputs": [asdict(f) for f in files],
+    }
     write_json(out / MANIFEST, manifest)
 
     done_names = {c.name for c in done}
     todo = [c for c in chunks if c.name not in done_names]
     remove_stale(out, keep={c.name for c in chunks}, part_stats=PART_STATS)
-    spec = TaskSpec(output=str(out), remote=cfg.remote, fmt=cfg.format, max_seq_len=cfg.max_seq_len,
-                    short_seq_prob=cfg.short_seq_prob, random_next_prob=cfg.random_next_prob,
-                    seed=cfg.seed, text_field=cfg.text_field, block_chars=int(cfg.block_mb * 1e6),
-                    tokenizer_sha256=tok.sha256, cls_id=tok.cls_id, sep_id=tok.sep_id,
-                    vocab_size=tok.vocab_size)
+    spec = TaskSpec(
+        output=str(out),
+        remote=cfg.remote,
+        fmt=cfg.format,
+        max_seq_len=cfg.max_seq_len,
+        short_seq_prob=cfg.short_seq_prob,
+        random_next_prob=cfg.random_next_prob,
+        seed=cfg.seed,
+        text_field=cfg.text_field,
+        block_chars=int(cfg.block_mb * 1e6),
+        tokenizer_sha256=tok.sha256,
+        cls_id=tok.cls_id,
+        sep_id=tok.sep_id,
+        vocab_size=tok.vocab_size,
+    )
     tokenizer_json = (out / "tokenizer" / "tokenizer.json").read_text(encoding="utf-8")
 
-    new_stats = _run_chunks(ray, todo, plan=chunks, spec=spec, tokenizer_json=tokenizer_json, cfg=cfg,
-                            workers=workers)
-    part_stats = sorted([json.loads((out / c.name / PART_STATS).read_text()) for c in done]
-                        + new_stats, key=lambda s: s["index"])
+    new_stats = _run_chunks(ray, todo, plan=chunks, spec=spec, tokenizer_json=tokenizer_json, cfg=cfg, workers=workers)
+    part_stats = sorted(
+        [json.loads((out / c.name / PART_STATS).read_text()) for c in done] + new_stats, key=lambda s: s["index"]
+    )
     concat_rejects(out, [c.name for c in chunks], part_rejects=PART_REJECTS)
     wall = time.time() - t0
     counts = aggregate(part_stats, fmt=cfg.format)
     used = {(s["host"], s["pid"]) for s in new_stats}
-    manifest.update({
-        "status": "complete" if counts["samples"] else "empty", "counts": counts,
-        "columns": columns_for(fmt=cfg.format, vocab_size=tok.vocab_size), "worker_slots": workers,
-        "mds": {"compression": COMPRESSION, "hashes": HASHES, "size_limit": SIZE_LIMIT},
-        "chunks": len(chunks), "chunks_resumed": len(done), "workers": len(used),
-        "peak_rss_mb_per_worker": max([s["peak_rss_mb"] for s in new_stats], default=0.0),
-        "wall_s": round(wall, 3), "mb_per_s": round(counts["input_bytes"] / 1e6 / max(wall, 1e-9), 3),
-    })
+    manifest.update(
+        {
+            "status": "complete" if counts["samples"] else "empty",
+            "counts": counts,
+            "columns": columns_for(fmt=cfg.format, vocab_size=tok.vocab_size),
+            "worker_slots": workers,
+            "mds": {"compression": COMPRESSION, "hashes": HASHES, "size_limit": SIZE_LIMIT},
+            "chunks": len(chunks),
+            "chunks_resumed": len(done),
+            "workers": len(used),
+            "peak_rss_mb_per_worker": max([s["peak_rss_mb"] for s in new_stats], default=0.0),
+            "wall_s": round(wall, 3),
+            "mb_per_s": round(counts["input_bytes"] / 1e6 / max(wall, 1e-9), 3),
+        }
+    )
     write_json(out / MANIFEST, manifest)
     _finish_index(ray, out=out, cfg=cfg, part_names=[c.name for c in chunks])
     if not counts["samples"]:
-        raise UsageError(f"--output {out}: the build wrote no samples: "
-                         + explain_no_samples(counts, fmt=cfg.format, max_seq_len=cfg.max_seq_len))
+        raise UsageError(
+            f"--output {out}: the build wrote no samples: "
+            + explain_no_samples(counts, fmt=cfg.format, max_seq_len=cfg.max_seq_len)
+        )
     return manifest
 
 
@@ -179,6 +239,7 @@ def warm_worker(remote: bool) -> int:
     import tokenizers  # noqa: F401
     import xxhash  # noqa: F401
     import zstd  # noqa: F401
+
     return os.getpid()
 
 
@@ -189,8 +250,9 @@ def _warm_up(ray, *, workers: int, cfg: BuildConfig) -> None:
         task.remote(bool(cfg.remote))
 
 
-def _run_chunks(ray, todo: list[Chunk], *, plan: list[Chunk], spec: TaskSpec, tokenizer_json: str,
-                cfg: BuildConfig, workers: int) -> list[dict]:
+def _run_chunks(
+    ray, todo: list[Chunk], *, plan: list[Chunk], spec: TaskSpec, tokenizer_json: str, cfg: BuildConfig, workers: int
+) -> list[dict]:
     """Run process_chunk on every chunk, at most --num_workers at a time; stats in any order."""
     from tqdm import tqdm
 
@@ -210,8 +272,15 @@ def _run_chunks(ray, todo: list[Chunk], *, plan: list[Chunk], spec: TaskSpec, to
 
     for _ in range(workers):
         submit()
-    with tqdm(total=sum(c.nbytes for c in todo), unit="B", unit_scale=True, desc="build_shards",
-              disable=not cfg.progress, mininterval=1.0, file=sys.stderr) as bar:
+    with tqdm(
+        total=sum(c.nbytes for c in todo),
+        unit="B",
+        unit_scale=True,
+        desc="build_shards",
+        disable=not cfg.progress,
+        mininterval=1.0,
+        file=sys.stderr,
+    ) as bar:
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
             chunk = pending.pop(ready[0])
@@ -223,8 +292,9 @@ def _run_chunks(ray, todo: list[Chunk], *, plan: list[Chunk], spec: TaskSpec, to
                 cause = getattr(err, "cause", err)  # a RayTaskError carries the task's own exception
                 if isinstance(cause, UsageError):  # bad input, named by the task: no traceback
                     raise UsageError(f"{cause} [{chunk.name}; finished parts are kept]") from None
-                raise RuntimeError(f"{chunk.describe()} failed; finished parts are kept, rerun with "
-                                   f"--resume to continue: {err}") from err
+                raise RuntimeError(
+                    f"{chunk.describe()} failed; finished parts are kept, rerun with --resume to continue: {err}"
+                ) from err
             bar.update(chunk.nbytes)
             submit()
     return results

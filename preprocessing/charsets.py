@@ -8,6 +8,7 @@ one stream, one chunk per file. A file whose first MB has a UTF-16/32 byte-order
 bytes, or more than 1% undecodable characters is refused, naming it and the flag that reads it:
 decoding it anyway would fill the shards with garbage that no later step notices.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -28,8 +29,12 @@ a few broken bytes are counted and logged per line (non_utf8_replaced); a wrong 
 _MARK = "tokencl.mark"
 _MARK_CHAR = "\udcff"  # a lone surrogate: no decoder produces one, so each one is a decoding error
 codecs.register_error(_MARK, lambda err: (_MARK_CHAR, err.end))
-_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),  # before UTF-16 LE's FF FE
-         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32"),
+    (codecs.BOM_UTF32_BE, "utf-32"),  # before UTF-16 LE's FF FE
+    (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
+)
 _GUESSES = ("gb18030", "big5", "shift_jis", "euc_kr", "cp1252")
 
 
@@ -49,8 +54,10 @@ def parse_rules(values: list[str]) -> list[tuple[str | None, str]]:
         try:
             rules.append((pattern if sep else None, canonical(name.strip())))
         except LookupError:
-            raise UsageError(f"--encoding {value}: unknown encoding {name.strip()!r}; use a Python codec "
-                             "name such as utf-8, utf-16, gbk, gb18030, big5, shift_jis or latin-1") from None
+            raise UsageError(
+                f"--encoding {value}: unknown encoding {name.strip()!r}; use a Python codec "
+                "name such as utf-8, utf-16, gbk, gb18030, big5, shift_jis or latin-1"
+            ) from None
     return rules
 
 
@@ -83,28 +90,36 @@ def check_sample(head: bytes, *, encoding: str, where: str) -> None:
     if not is_stream_encoding(encoding):
         for bom, name in _BOMS:
             if head.startswith(bom):
-                raise UsageError(f"{where}: starts with a {name.upper()} byte-order mark, so it is not "
-                                 f"{encoding} text; pass --encoding '{where}={name}' to read it "
-                                 "(or convert it to UTF-8)")
+                raise UsageError(
+                    f"{where}: starts with a {name.upper()} byte-order mark, so it is not "
+                    f"{encoding} text; pass --encoding '{where}={name}' to read it "
+                    "(or convert it to UTF-8)"
+                )
         nul = head.count(0)
         if nul >= MIN_BAD and nul >= len(head) / 20:
             guess = "utf-16-le" if head[1::2].count(0) > head[0::2].count(0) else "utf-16-be"
-            raise UsageError(f"{where}: {nul:,} of its first {len(head):,} bytes are NUL, as in UTF-16 or "
-                             f"UTF-32 text, so it is not {encoding} text; pass --encoding '{where}={guess}' "
-                             "(or its real encoding) to read it, or convert it to UTF-8")
+            raise UsageError(
+                f"{where}: {nul:,} of its first {len(head):,} bytes are NUL, as in UTF-16 or "
+                f"UTF-32 text, so it is not {encoding} text; pass --encoding '{where}={guess}' "
+                "(or its real encoding) to read it, or convert it to UTF-8"
+            )
     try:
         text = codecs.getincrementaldecoder(encoding)(errors=_MARK).decode(head, final=False)
     except UnicodeError as err:  # 'utf-16' without a byte-order mark, for one
-        raise UsageError(f"{where}: cannot be read as {encoding} ({err}); name the byte order, e.g. "
-                         f"--encoding '{where}={encoding}-le'") from None
+        raise UsageError(
+            f"{where}: cannot be read as {encoding} ({err}); name the byte order, e.g. "
+            f"--encoding '{where}={encoding}-le'"
+        ) from None
     bad = text.count(_MARK_CHAR)
     if bad >= MIN_BAD and bad >= MAX_BAD_SHARE * len(text):
         guess = next((g for g in _GUESSES if g != encoding and _decodes(head, g)), None)
         hint = f" (it decodes cleanly as {guess})" if guess else ""
-        raise UsageError(f"{where}: {bad:,} of its first {len(text):,} characters are not valid {encoding} "
-                         f"({100 * bad / max(len(text), 1):.1f}%), so it is in another encoding{hint}; pass "
-                         f"--encoding '{where}={guess or 'ENCODING'}' naming its encoding to read it, or "
-                         "convert it to UTF-8")
+        raise UsageError(
+            f"{where}: {bad:,} of its first {len(text):,} characters are not valid {encoding} "
+            f"({100 * bad / max(len(text), 1):.1f}%), so it is in another encoding{hint}; pass "
+            f"--encoding '{where}={guess or 'ENCODING'}' naming its encoding to read it, or "
+            "convert it to UTF-8"
+        )
 
 
 def _decodes(head: bytes, encoding: str) -> bool:
@@ -137,7 +152,7 @@ class Utf8Transcoder(io.RawIOBase):
                 return 0
             self._buf, self._pos = text.encode("utf-8", errors="surrogateescape"), 0
         n = min(len(b), len(self._buf) - self._pos)
-        b[:n] = self._buf[self._pos:self._pos + n]
+        b[:n] = self._buf[self._pos : self._pos + n]
         self._pos += n
         return n
 

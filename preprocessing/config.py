@@ -1,5 +1,6 @@
 """The shard builder's configuration: one typed dataclass, the command line that fills it, and
 its validation (ValueError naming the flag and value; the CLI turns that into exit code 2)."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,6 +17,7 @@ FORMATS = ("nsp", "packed")
 class BuildConfig:
     """Everything a build depends on. Fields that change the samples (see `OUTPUT_KEYS`) must
     match when a build is resumed."""
+
     inputs: list[str]
     output: str
     tokenizer: str | None = None
@@ -52,24 +54,26 @@ class BuildConfig:
         if not self.output:
             raise UsageError("--output: required")
         if bool(self.tokenizer) == bool(self.train_tokenizer):
-            raise UsageError("give exactly one of --tokenizer DIR_OR_NAME and "
-                             f"--train_tokenizer {'|'.join(TRAINABLE)}")
+            raise UsageError(f"give exactly one of --tokenizer DIR_OR_NAME and --train_tokenizer {'|'.join(TRAINABLE)}")
         if self.train_tokenizer and self.train_tokenizer not in TRAINABLE:
             raise UsageError(f"--train_tokenizer {self.train_tokenizer}: choose one of {', '.join(TRAINABLE)}")
         if self.sp_model_type is not None:
             if self.sp_model_type not in SP_MODEL_TYPES:
                 raise UsageError(f"--sp_model_type {self.sp_model_type}: choose one of {', '.join(SP_MODEL_TYPES)}")
             if self.train_tokenizer != "sentencepiece":
-                raise UsageError(f"--sp_model_type {self.sp_model_type}: only applies to --train_tokenizer "
-                                 "sentencepiece; drop it or train a sentencepiece tokenizer")
+                raise UsageError(
+                    f"--sp_model_type {self.sp_model_type}: only applies to --train_tokenizer "
+                    "sentencepiece; drop it or train a sentencepiece tokenizer"
+                )
         if self.train_tokenizer and not 100 <= self.vocab_size <= 1 << 20:
             raise UsageError(f"--vocab_size {self.vocab_size}: must be between 100 and {1 << 20}")
         if self.format not in FORMATS:
             raise UsageError(f"--format {self.format}: choose nsp or packed")
         lowest = 5 if self.format == "nsp" else 2
         if not lowest <= self.max_seq_len <= 1 << 16:
-            raise UsageError(f"--max_seq_len {self.max_seq_len}: must be between {lowest} and "
-                             f"{1 << 16} for --format {self.format}")
+            raise UsageError(
+                f"--max_seq_len {self.max_seq_len}: must be between {lowest} and {1 << 16} for --format {self.format}"
+            )
         for name in ("short_seq_prob", "random_next_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise UsageError(f"--{name} {getattr(self, name)}: must be between 0 and 1")
@@ -95,60 +99,113 @@ class BuildConfig:
 
 
 # The fields that decide which samples a build writes; a resumed build must agree on them.
-OUTPUT_KEYS = ("format", "max_seq_len", "short_seq_prob", "random_next_prob", "seed", "text_field",
-               "block_mb", "remote", "train_tokenizer", "sp_model_type", "vocab_size", "lowercase",
-               "tokenizer_train_mb")
+OUTPUT_KEYS = (
+    "format",
+    "max_seq_len",
+    "short_seq_prob",
+    "random_next_prob",
+    "seed",
+    "text_field",
+    "block_mb",
+    "remote",
+    "train_tokenizer",
+    "sp_model_type",
+    "vocab_size",
+    "lowercase",
+    "tokenizer_train_mb",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="build_shards.py",
-        description="Turn English/Chinese corpora into MDS shards for BERT pre-training (Ray-parallel).")
-    p.add_argument("--input", dest="inputs", action="append", required=True, metavar="[en:|zh:]PATH_OR_GLOB",
-                   help="text (BERT format), .jsonl, .parquet, a datasets save_to_disk folder, or "
-                        ".gz/.zst text/JSONL; repeat for more. The prefix fixes the language, "
-                        "else it is detected per document.")
+        description="Turn English/Chinese corpora into MDS shards for BERT pre-training (Ray-parallel).",
+    )
+    p.add_argument(
+        "--input",
+        dest="inputs",
+        action="append",
+        required=True,
+        metavar="[en:|zh:]PATH_OR_GLOB",
+        help="text (BERT format), .jsonl, .parquet, a datasets save_to_disk folder, or "
+        ".gz/.zst text/JSONL; repeat for more. The prefix fixes the language, "
+        "else it is detected per document.",
+    )
     p.add_argument("--output", required=True, metavar="DIR")
     tok = p.add_argument_group("tokenizer (one of)")
     tok.add_argument("--tokenizer", metavar="DIR_OR_NAME", help="an HF tokenizer folder (or hub name)")
-    tok.add_argument("--train_tokenizer", choices=TRAINABLE,
-                     help="train a joint EN+ZH vocabulary on the inputs into OUTPUT/tokenizer: "
-                          "wordpiece (BERT's), unigram (HF tokenizers' unigram; both keep every "
-                          "ideograph a token), or sentencepiece (the sentencepiece library; keeps "
-                          "its .model file beside the HF tokenizer)")
-    tok.add_argument("--sp_model_type", choices=SP_MODEL_TYPES, default=None,
-                     help="the algorithm of --train_tokenizer sentencepiece (default: unigram)")
+    tok.add_argument(
+        "--train_tokenizer",
+        choices=TRAINABLE,
+        help="train a joint EN+ZH vocabulary on the inputs into OUTPUT/tokenizer: "
+        "wordpiece (BERT's), unigram (HF tokenizers' unigram; both keep every "
+        "ideograph a token), or sentencepiece (the sentencepiece library; keeps "
+        "its .model file beside the HF tokenizer)",
+    )
+    tok.add_argument(
+        "--sp_model_type",
+        choices=SP_MODEL_TYPES,
+        default=None,
+        help="the algorithm of --train_tokenizer sentencepiece (default: unigram)",
+    )
     tok.add_argument("--vocab_size", type=int, default=BuildConfig.vocab_size)
-    tok.add_argument("--cased", dest="lowercase", action="store_false",
-                     help="keep case when training a tokenizer (default: lower-case)")
-    tok.add_argument("--tokenizer_train_mb", type=float, default=BuildConfig.tokenizer_train_mb,
-                     help="text sampled across all inputs to train the tokenizer (MB)")
+    tok.add_argument(
+        "--cased",
+        dest="lowercase",
+        action="store_false",
+        help="keep case when training a tokenizer (default: lower-case)",
+    )
+    tok.add_argument(
+        "--tokenizer_train_mb",
+        type=float,
+        default=BuildConfig.tokenizer_train_mb,
+        help="text sampled across all inputs to train the tokenizer (MB)",
+    )
     s = p.add_argument_group("samples")
-    s.add_argument("--format", choices=FORMATS, default=BuildConfig.format,
-                   help="nsp: [CLS] A [SEP] B [SEP] pairs (TaCL); packed: full blocks (TACO)")
+    s.add_argument(
+        "--format",
+        choices=FORMATS,
+        default=BuildConfig.format,
+        help="nsp: [CLS] A [SEP] B [SEP] pairs (TaCL); packed: full blocks (TACO)",
+    )
     s.add_argument("--max_seq_len", type=int, default=BuildConfig.max_seq_len)
     s.add_argument("--short_seq_prob", type=float, default=BuildConfig.short_seq_prob)
     s.add_argument("--random_next_prob", type=float, default=BuildConfig.random_next_prob)
     s.add_argument("--seed", type=int, default=BuildConfig.seed)
-    s.add_argument("--text_field", default=BuildConfig.text_field,
-                   help="JSONL/Parquet/datasets column holding the text")
-    s.add_argument("--encoding", dest="encodings", action="append", default=[], metavar="[GLOB=]ENCODING",
-                   help="read text/JSONL inputs in this encoding (default utf-8): ENCODING for all of "
-                        "them, GLOB=ENCODING for those whose path or file name matches GLOB; repeatable, "
-                        "the last match wins (e.g. --encoding '*.gbk.txt=gb18030')")
+    s.add_argument(
+        "--text_field", default=BuildConfig.text_field, help="JSONL/Parquet/datasets column holding the text"
+    )
+    s.add_argument(
+        "--encoding",
+        dest="encodings",
+        action="append",
+        default=[],
+        metavar="[GLOB=]ENCODING",
+        help="read text/JSONL inputs in this encoding (default utf-8): ENCODING for all of "
+        "them, GLOB=ENCODING for those whose path or file name matches GLOB; repeatable, "
+        "the last match wins (e.g. --encoding '*.gbk.txt=gb18030')",
+    )
     r = p.add_argument_group("execution")
-    r.add_argument("--num_workers", type=int, default=None,
-                   help="parallel Ray tasks (default, and at most: every CPU Ray sees)")
-    r.add_argument("--ray_address", default=None,
-                   help="join a running cluster ('auto' or HOST:PORT); default: start Ray here")
-    r.add_argument("--chunk_mb", type=float, default=None,
-                   help="input MB per task (default: total/64, between 1 and 64)")
-    r.add_argument("--block_mb", type=float, default=BuildConfig.block_mb,
-                   help="text MB processed at once inside a task; NSP draws random B from it")
+    r.add_argument(
+        "--num_workers", type=int, default=None, help="parallel Ray tasks (default, and at most: every CPU Ray sees)"
+    )
+    r.add_argument(
+        "--ray_address", default=None, help="join a running cluster ('auto' or HOST:PORT); default: start Ray here"
+    )
+    r.add_argument(
+        "--chunk_mb", type=float, default=None, help="input MB per task (default: total/64, between 1 and 64)"
+    )
+    r.add_argument(
+        "--block_mb",
+        type=float,
+        default=BuildConfig.block_mb,
+        help="text MB processed at once inside a task; NSP draws random B from it",
+    )
     r.add_argument("--resume", action="store_true", help="finish an interrupted build in OUTPUT")
     r.add_argument("--overwrite", action="store_true", help="replace a previous build in OUTPUT")
-    r.add_argument("--remote", default=None, metavar="URL",
-                   help="also upload shards as they are written (s3://, gs://, ...)")
+    r.add_argument(
+        "--remote", default=None, metavar="URL", help="also upload shards as they are written (s3://, gs://, ...)"
+    )
     r.add_argument("--no_progress", dest="progress", action="store_false")
     return p
 

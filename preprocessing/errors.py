@@ -1,5 +1,6 @@
 """The builder's user-error type (the CLI turns it into exit code 2 with its message) and its notes
 (one line on stderr for something the user should know but that does not stop the build)."""
+
 import sys
 
 

@@ -10,6 +10,7 @@ Every input must be a regular file (a FIFO or a device cannot be read twice, by 
 its state when planned (size, mtime) is recorded: a chunk task refuses a file that changed since, and
 `--resume` refuses one that changed since the build started.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,9 +20,10 @@ import io
 import os
 import stat
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 from preprocessing import charsets
 from preprocessing.errors import UsageError, note
@@ -39,6 +41,7 @@ class InputFile:
     """One file to read. kind: 'text' (BERT format), 'jsonl', 'parquet' or 'arrow' (a file of a
     `datasets` save_to_disk folder); compression: None, 'gz' or 'zst'; encoding: of a text/JSONL
     file; size and mtime_ns: its state when the build planned it."""
+
     path: str
     lang: str | None
     kind: str
@@ -51,8 +54,9 @@ class InputFile:
     @property
     def byte_ranges(self) -> bool:
         """True when chunks are byte ranges of the file (plain text or JSONL in a line encoding)."""
-        return (self.kind in ("text", "jsonl") and not self.compression
-                and not charsets.is_stream_encoding(self.encoding))
+        return (
+            self.kind in ("text", "jsonl") and not self.compression and not charsets.is_stream_encoding(self.encoding)
+        )
 
     def where(self) -> str:
         return f"{self.path} (from --input {self.spec})"
@@ -62,6 +66,7 @@ class InputFile:
 class Chunk:
     """A byte range [start, end) of a text/JSONL file, or a row range of a Parquet/Arrow file.
     nbytes approximates the input bytes it covers (progress bar, MB/s)."""
+
     index: int
     file: InputFile
     start: int
@@ -83,8 +88,10 @@ def parse_input_spec(spec: str) -> tuple[str | None, str]:
     if sep and head in LANGS:
         return head, rest
     if sep and head.isalpha() and len(head) <= 3 and "/" not in head and not os.path.exists(spec):
-        raise UsageError(f"--input {spec}: unknown language prefix '{head}:'; use en: or zh: "
-                         "(or no prefix to detect the language per document)")
+        raise UsageError(
+            f"--input {spec}: unknown language prefix '{head}:'; use en: or zh: "
+            "(or no prefix to detect the language per document)"
+        )
     return None, spec
 
 
@@ -116,16 +123,16 @@ def classify(path: Path) -> tuple[str, str | None]:
     last = suffixes[-1] if suffixes else ""
     if last in PARQUET_SUFFIXES:
         if compression:
-            raise UsageError(f"{path}: Parquet files carry their own compression; "
-                             f"decompress {path.name} first")
+            raise UsageError(f"{path}: Parquet files carry their own compression; decompress {path.name} first")
         return "parquet", None
     if last in JSONL_SUFFIXES:
         return "jsonl", compression
     return "text", compression
 
 
-def resolve_inputs(specs: list[str], *, encoding_rules: list[tuple[str | None, str]] = (),
-                   exclude: str | Path | None = None) -> list[InputFile]:
+def resolve_inputs(
+    specs: list[str], *, encoding_rules: list[tuple[str | None, str]] = (), exclude: str | Path | None = None
+) -> list[InputFile]:
     """Expand every --input spec into files, in order (globs sorted). Raises UsageError naming the
     spec for a missing path, an empty glob, a plain directory, a file listed twice, a broken
     symbolic link, something that is not a regular file, a .gz/.zst that is not one, or text that
@@ -150,19 +157,23 @@ def resolve_inputs(specs: list[str], *, encoding_rules: list[tuple[str | None, s
             if not os.path.lexists(pattern):
                 raise UsageError(f"--input {spec}: no such file or directory: {pattern}")
             if inside(pattern):
-                raise UsageError(f"--input {spec}: is inside --output {exclude}; a build cannot read its own "
-                                 "output: choose another --output")
+                raise UsageError(
+                    f"--input {spec}: is inside --output {exclude}; a build cannot read its own "
+                    "output: choose another --output"
+                )
             matches = [pattern]
         for match in matches:
             path = Path(match)
             if path.is_symlink() and not path.exists():
-                raise UsageError(f"--input {spec}: {path} is a broken symbolic link (to {os.readlink(path)}); "
-                                 "fix or remove it")
+                raise UsageError(
+                    f"--input {spec}: {path} is a broken symbolic link (to {os.readlink(path)}); fix or remove it"
+                )
             if path.is_dir():
                 if not _is_hf_dataset_dir(path):
                     raise UsageError(
                         f"--input {spec}: {path} is a directory but not a datasets save_to_disk "
-                        "folder; pass a glob such as DIR/*.txt")
+                        "folder; pass a glob such as DIR/*.txt"
+                    )
                 pieces = [(p, "arrow", None) for p in _hf_arrow_files(path, spec)]
             else:
                 pieces = [(path, *classify(path))]
@@ -172,10 +183,21 @@ def resolve_inputs(specs: list[str], *, encoding_rules: list[tuple[str | None, s
                     raise UsageError(f"--input {spec}: {p} is already read by --input {seen[key]}")
                 seen[key] = spec
                 st = _regular_file_stat(p, spec)
-                encoding = charsets.encoding_for(str(p), list(encoding_rules)) if kind in ("text", "jsonl") \
+                encoding = (
+                    charsets.encoding_for(str(p), list(encoding_rules))
+                    if kind in ("text", "jsonl")
                     else charsets.DEFAULT
-                file = InputFile(path=str(p), lang=lang, kind=kind, compression=compression, size=st.st_size,
-                                 spec=spec, mtime_ns=st.st_mtime_ns, encoding=encoding)
+                )
+                file = InputFile(
+                    path=str(p),
+                    lang=lang,
+                    kind=kind,
+                    compression=compression,
+                    size=st.st_size,
+                    spec=spec,
+                    mtime_ns=st.st_mtime_ns,
+                    encoding=encoding,
+                )
                 if kind in ("text", "jsonl") and file.size:
                     _check_content(file)
                 files.append(file)
@@ -191,11 +213,16 @@ def _inside(folder: str | Path | None):
     def test(path: str) -> bool:
         resolved = Path(path).resolve()
         return resolved == root or root in resolved.parents
+
     return test
 
 
-_FILE_TYPES = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
-               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+_FILE_TYPES = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 def _regular_file_stat(path: Path, spec: str) -> os.stat_result:
@@ -205,8 +232,10 @@ def _regular_file_stat(path: Path, spec: str) -> os.stat_result:
         raise UsageError(f"--input {spec}: cannot read {path} ({err.strerror or err})") from err
     if not stat.S_ISREG(st.st_mode):
         what = next((name for test, name in _FILE_TYPES if test(st.st_mode)), "not a regular file")
-        raise UsageError(f"--input {spec}: {path} is {what}; the builder reads each input more than once "
-                         "and by byte ranges, so it needs a regular file: save the stream to a file first")
+        raise UsageError(
+            f"--input {spec}: {path} is {what}; the builder reads each input more than once "
+            "and by byte ranges, so it needs a regular file: save the stream to a file first"
+        )
     return st
 
 
@@ -219,8 +248,10 @@ def _check_content(file: InputFile) -> None:
             magic = f.read(len(MAGIC[file.compression]))
         if magic != MAGIC[file.compression]:
             name = {"gz": "gzip", "zst": "zstd"}[file.compression]
-            raise UsageError(f"{where}: is named like a {name} file but is not {name} data (it starts with "
-                             f"{magic!r}); rename it to what it is, or compress it with {name}")
+            raise UsageError(
+                f"{where}: is named like a {name} file but is not {name} data (it starts with "
+                f"{magic!r}); rename it to what it is, or compress it with {name}"
+            )
     with reading(file), open_source(file, transcode=False) as f:
         head = f.read(charsets.SNIFF_BYTES)
     charsets.check_sample(head, encoding=file.encoding, where=file.path)
@@ -235,14 +266,19 @@ def reading(file: InputFile) -> Iterator[None]:
     try:
         yield
     except FileNotFoundError as err:
-        raise UsageError(f"{where}: disappeared during the build; put it back unchanged and rerun with "
-                         "--resume, or rebuild without it") from err
+        raise UsageError(
+            f"{where}: disappeared during the build; put it back unchanged and rerun with "
+            "--resume, or rebuild without it"
+        ) from err
     except EOFError as err:
-        raise UsageError(f"{where}: the compressed stream ends early, so the file is truncated ({err}); "
-                         "download or compress it again, or leave it out") from err
+        raise UsageError(
+            f"{where}: the compressed stream ends early, so the file is truncated ({err}); "
+            "download or compress it again, or leave it out"
+        ) from err
     except (gzip.BadGzipFile, zlib.error, zstandard.ZstdError) as err:
-        raise UsageError(f"{where}: is not valid {file.compression} data ({err}); download or compress it "
-                         "again, or leave it out") from err
+        raise UsageError(
+            f"{where}: is not valid {file.compression} data ({err}); download or compress it again, or leave it out"
+        ) from err
     except OSError as err:
         raise UsageError(f"{where}: cannot be read ({err.strerror or err})") from err
 
@@ -294,7 +330,7 @@ class _ZstdStream(io.RawIOBase):
                     data = b""
             self._buf, self._pos = b"".join(out), 0
         n = min(len(b), len(self._buf) - self._pos)
-        b[:n] = self._buf[self._pos:self._pos + n]
+        b[:n] = self._buf[self._pos : self._pos + n]
         self._pos += n
         return n
 
@@ -308,8 +344,10 @@ def check_unchanged(file: InputFile) -> None:
     with reading(file):
         st = os.stat(file.path)
     if (st.st_size, st.st_mtime_ns) != (file.size, file.mtime_ns):
-        raise UsageError(f"{file.where()}: changed during the build (size {file.size:,} -> {st.st_size:,} "
-                         "bytes, or its modification time); rebuild once it stays unchanged")
+        raise UsageError(
+            f"{file.where()}: changed during the build (size {file.size:,} -> {st.st_size:,} "
+            "bytes, or its modification time); rebuild once it stays unchanged"
+        )
 
 
 def digest(path: str, lo: int, hi: int, *, cache: dict | None = None) -> str:
@@ -350,8 +388,10 @@ def _row_counts(file: InputFile, text_field: str) -> list[int]:
             names = reader.schema.names
             counts = [batch.num_rows for batch in reader]
     if text_field not in names:
-        raise UsageError(f"--text_field {text_field}: no such column in {file.path} "
-                         f"(from --input {file.spec}); its columns are {names}")
+        raise UsageError(
+            f"--text_field {text_field}: no such column in {file.path} "
+            f"(from --input {file.spec}); its columns are {names}"
+        )
     return counts
 
 

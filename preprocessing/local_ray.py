@@ -16,14 +16,15 @@ none of its processes outlives the builder.
   kill the `ray::DashboardAgent` / `ray::RuntimeEnvAgent` processes whose parent is 1; never
   `ray stop`, which stops every Ray of the machine.
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 POLL_S = 0.5
 
@@ -46,9 +47,15 @@ def local_ray(*, num_cpus: int, **init_kwargs) -> Iterator:
 
     root = str(Path(__file__).resolve().parents[1])
     reaper = subprocess.Popen(
-        [sys.executable, "-c", f"import sys; sys.path.insert(0, {root!r}); "
-                               "from preprocessing.local_ray import reap; reap()", str(os.getpid())],
-        stdin=subprocess.PIPE, start_new_session=True)  # its own session: a Ctrl-C does not stop it
+        [
+            sys.executable,
+            "-c",
+            f"import sys; sys.path.insert(0, {root!r}); from preprocessing.local_ray import reap; reap()",
+            str(os.getpid()),
+        ],
+        stdin=subprocess.PIPE,
+        start_new_session=True,
+    )  # its own session: a Ctrl-C does not stop it
     me = psutil.Process()
     before = {p.pid for p in me.children()}
     start_api_server = getattr(services, "start_api_server", None)  # None if a Ray release renames it

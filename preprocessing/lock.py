@@ -6,6 +6,7 @@ build. On this host that is checked against the recorded pid and the lock is tak
 note. A record from another host is refused instead: flock does not reach across hosts on every
 shared file system, so a free flock there proves nothing. The lock covers OUTPUT only, not --remote.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,8 +17,8 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from preprocessing.errors import UsageError, note
 
@@ -36,8 +37,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _describe(record: dict) -> str:
-    return (f"pid {record.get('pid', '?')} on host {record.get('host', '?')} "
-            f"(started {record.get('started', '?')})")
+    return f"pid {record.get('pid', '?')} on host {record.get('host', '?')} (started {record.get('started', '?')})"
 
 
 class OutputLock:
@@ -61,8 +61,12 @@ class OutputLock:
                 previous = _read_record(fd)
                 if previous:
                     self._check_stale(previous, flocked=flocked)
-                record = {"pid": os.getpid(), "host": socket.gethostname(),
-                          "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": sys.argv}
+                record = {
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+                    "command": sys.argv,
+                }
                 data = json.dumps(record).encode()
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, data, 0)
@@ -87,13 +91,14 @@ class OutputLock:
                     break
                 time.sleep(0.05)
             who = _describe(holder) if holder else "a process that has not written its record yet"
-            raise UsageError(f"--output {self.folder}: another build is writing into it: {who}; "
-                             f"wait for it to finish or choose another --output (lock: {self.path})") from None
+            raise UsageError(
+                f"--output {self.folder}: another build is writing into it: {who}; "
+                f"wait for it to finish or choose another --output (lock: {self.path})"
+            ) from None
         except OSError as err:
             if err.errno not in _NO_FLOCK:
                 raise
-            note(f"{self.path}: this file system does not support flock; the lock relies on its "
-                 "pid record alone")
+            note(f"{self.path}: this file system does not support flock; the lock relies on its pid record alone")
             return False
 
     def _check_stale(self, previous: dict, *, flocked: bool) -> None:
@@ -102,18 +107,25 @@ class OutputLock:
         if previous.get("host") != here:
             raise UsageError(
                 f"--output {self.folder}: {self.path} was left by {_describe(previous)}, which this "
-                f"host ({here}) cannot check; if no build is running there, delete {self.path} and rerun")
+                f"host ({here}) cannot check; if no build is running there, delete {self.path} and rerun"
+            )
         if not isinstance(pid, int) or pid == os.getpid():
             return
         if _pid_alive(pid):
             if not flocked:
-                raise UsageError(f"--output {self.folder}: another build is writing into it: "
-                                 f"{_describe(previous)}; wait for it to finish or choose another --output")
-            note(f"--output {self.folder}: taking over the lock of {_describe(previous)}: that pid is "
-                 "running but does not hold the lock (a reused pid)")
+                raise UsageError(
+                    f"--output {self.folder}: another build is writing into it: "
+                    f"{_describe(previous)}; wait for it to finish or choose another --output"
+                )
+            note(
+                f"--output {self.folder}: taking over the lock of {_describe(previous)}: that pid is "
+                "running but does not hold the lock (a reused pid)"
+            )
         else:
-            note(f"--output {self.folder}: taking over the lock left by {_describe(previous)}, which is "
-                 "no longer running")
+            note(
+                f"--output {self.folder}: taking over the lock left by {_describe(previous)}, which is "
+                "no longer running"
+            )
 
     def release(self) -> None:
         if self._fd is None:

@@ -11,6 +11,7 @@ worker ~4 s and ~1 GB (it imports torch, torchvision and transformers). So:
 `SampleEncoder` is the one encoder both use: 1-D arrays of a fixed dtype, ints and short strings,
 the same bytes as streaming's generic encoder at a fraction of the per-sample Python cost.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,12 @@ _MDS_VERSION = 2
 def columns_for(*, fmt: str, vocab_size: int) -> dict[str, str]:
     """The MDS columns of the contract: uint16 ids while the vocabulary fits, else uint32."""
     id_dtype = "uint16" if vocab_size <= (1 << 16) else "uint32"
-    columns = {"input_ids": f"ndarray:{id_dtype}", "token_type_ids": "ndarray:uint8",
-               "word_starts": "ndarray:uint8", "lang": "str"}
+    columns = {
+        "input_ids": f"ndarray:{id_dtype}",
+        "token_type_ids": "ndarray:uint8",
+        "word_starts": "ndarray:uint8",
+        "lang": "str",
+    }
     if fmt == "nsp":
         columns["nsp_label"] = "int"
     return columns
@@ -77,8 +82,10 @@ class SampleEncoder:
             value = sample[name]
             if kind == "ndarray":
                 if value.dtype != dtype or value.ndim != 1 or value.size == 0:
-                    raise ValueError(f"column {name}: expected a non-empty 1-D {dtype} array, "
-                                     f"got {value.dtype} with shape {value.shape}")
+                    raise ValueError(
+                        f"column {name}: expected a non-empty 1-D {dtype} array, "
+                        f"got {value.dtype} with shape {value.shape}"
+                    )
                 datum = _shape_header(value.size) + value.tobytes()
                 sizes.append(len(datum))
             elif kind == "str":
@@ -100,11 +107,16 @@ class LocalMDSWriter:
         os.makedirs(out, exist_ok=True)
         self.encoder = SampleEncoder(columns)
         self.size_limit = size_limit
-        self.config = {"version": _MDS_VERSION, "format": "mds", "compression": COMPRESSION,
-                       "hashes": list(HASHES), "size_limit": size_limit,
-                       "column_names": self.encoder.column_names,
-                       "column_encodings": self.encoder.column_encodings,
-                       "column_sizes": self.encoder.column_sizes}
+        self.config = {
+            "version": _MDS_VERSION,
+            "format": "mds",
+            "compression": COMPRESSION,
+            "hashes": list(HASHES),
+            "size_limit": size_limit,
+            "column_names": self.encoder.column_names,
+            "column_encodings": self.encoder.column_encodings,
+            "column_sizes": self.encoder.column_sizes,
+        }
         self.config_data = json.dumps(self.config, sort_keys=True).encode("utf-8")
         # Shard size accounting as streaming's: a 4-byte count, a 4-byte end offset and the config
         # per shard, a 4-byte offset per sample.
@@ -134,16 +146,34 @@ class LocalMDSWriter:
         zip_name = f"{raw_name}.zstd"
         with open(os.path.join(self.local, zip_name), "wb") as f:
             f.write(zipped)
-        entry = {"samples": n,
-                 "raw_data": {"basename": raw_name, "bytes": len(raw), "hashes": {"xxh64": xxhash.xxh64(raw).hexdigest()}},
-                 "zip_data": {"basename": zip_name, "bytes": len(zipped),
-                              "hashes": {"xxh64": xxhash.xxh64(zipped).hexdigest()}}}
-        entry.update({k: self.config[k] for k in ("version", "format", "compression", "hashes", "size_limit",
-                                                   "column_names", "column_encodings", "column_sizes")})
+        entry = {
+            "samples": n,
+            "raw_data": {"basename": raw_name, "bytes": len(raw), "hashes": {"xxh64": xxhash.xxh64(raw).hexdigest()}},
+            "zip_data": {
+                "basename": zip_name,
+                "bytes": len(zipped),
+                "hashes": {"xxh64": xxhash.xxh64(zipped).hexdigest()},
+            },
+        }
+        entry.update(
+            {
+                k: self.config[k]
+                for k in (
+                    "version",
+                    "format",
+                    "compression",
+                    "hashes",
+                    "size_limit",
+                    "column_names",
+                    "column_encodings",
+                    "column_sizes",
+                )
+            }
+        )
         self.shards.append(entry)
         self._samples, self._size = [], self._per_shard
 
-    def __enter__(self) -> "LocalMDSWriter":
+    def __enter__(self) -> LocalMDSWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -6,6 +6,7 @@ OUTPUT is ours when it is empty, or holds a previous build: a build_manifest.jso
 part folders, or only what a build writes before its manifest (tokenizer/, its temporary copy, the
 manifest's temporary file), which is what a build killed while preparing its tokenizer leaves.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,13 +26,14 @@ EARLY_ARTEFACTS = frozenset({"tokenizer", "tokenizer.tmp", MANIFEST + ".tmp"})
 def check_output_path(out: Path) -> None:
     """Refuse an --output that is not a folder, before anything is read or written."""
     if out.exists() and not out.is_dir():
-        raise UsageError(f"--output {out}: exists and is not a directory; give the path of a folder "
-                         "(new, empty, or holding a previous build)")
+        raise UsageError(
+            f"--output {out}: exists and is not a directory; give the path of a folder "
+            "(new, empty, or holding a previous build)"
+        )
     for parent in out.parents:
         if parent.exists():
             if not parent.is_dir():
-                raise UsageError(f"--output {out}: {parent} is not a directory, so the folder cannot "
-                                 "be created there")
+                raise UsageError(f"--output {out}: {parent} is not a directory, so the folder cannot be created there")
             break
 
 
@@ -62,24 +64,31 @@ def prepare_output(out: Path, *, overwrite: bool, resume: bool) -> dict | None:
     if not has_manifest and all(child.name in EARLY_ARTEFACTS for child in entries):
         if overwrite or resume:
             if resume:
-                note(f"--resume: {out} holds only {', '.join(sorted(c.name for c in entries))} of a build "
-                     f"stopped before it wrote {MANIFEST}: no chunk was finished, so the build starts over")
+                note(
+                    f"--resume: {out} holds only {', '.join(sorted(c.name for c in entries))} of a build "
+                    f"stopped before it wrote {MANIFEST}: no chunk was finished, so the build starts over"
+                )
             _clear(entries)
             return None
     if overwrite:
         looks_built = has_manifest or (out / "index.json").exists() or any(out.glob("part-*"))
         if not looks_built:
-            raise UsageError(f"--output {out}: is not empty and holds no previous build; "
-                             "--overwrite only replaces builds (remove the folder yourself)")
+            raise UsageError(
+                f"--output {out}: is not empty and holds no previous build; "
+                "--overwrite only replaces builds (remove the folder yourself)"
+            )
         _clear(entries)
         return None
     if resume:
         if not has_manifest:
-            raise UsageError(f"--resume: {out} has no {MANIFEST}, so it is not a build to resume; "
-                             "use another --output or --overwrite")
+            raise UsageError(
+                f"--resume: {out} has no {MANIFEST}, so it is not a build to resume; "
+                "use another --output or --overwrite"
+            )
         return json.loads((out / MANIFEST).read_text())
-    raise UsageError(f"--output {out}: is not empty; pass --resume to finish the build in it or "
-                     "--overwrite to replace it")
+    raise UsageError(
+        f"--output {out}: is not empty; pass --resume to finish the build in it or --overwrite to replace it"
+    )
 
 
 def write_json(path: Path, obj: dict) -> None:
@@ -92,10 +101,14 @@ def write_json(path: Path, obj: dict) -> None:
 def fingerprint(cfg, *, files: list, chunk_bytes: int, tokenizer_sha256: str, output_keys: tuple) -> dict:
     """Everything the samples depend on (not --num_workers): what --resume compares. input_state
     (size and modification time per file) catches an input edited in place at the same size."""
-    return {"inputs": [[f.path, f.lang, f.encoding] for f in files],
-            "input_state": [[f.path, f.size, f.mtime_ns] for f in files],
-            "chunk_bytes": chunk_bytes, "tokenizer": cfg.tokenizer, "tokenizer_sha256": tokenizer_sha256,
-            **{k: getattr(cfg, k) for k in output_keys}}
+    return {
+        "inputs": [[f.path, f.lang, f.encoding] for f in files],
+        "input_state": [[f.path, f.size, f.mtime_ns] for f in files],
+        "chunk_bytes": chunk_bytes,
+        "tokenizer": cfg.tokenizer,
+        "tokenizer_sha256": tokenizer_sha256,
+        **{k: getattr(cfg, k) for k in output_keys},
+    }
 
 
 def _when(mtime_ns: int) -> str:
@@ -107,8 +120,10 @@ def check_resumable(previous: dict, *, fingerprint: dict, out: Path) -> None:
     each changed setting or file."""
     before = previous.get("fingerprint", {})
     if "input_state" not in before:
-        raise UsageError(f"--resume: {out} was built by an older builder that did not record the state of "
-                         "its inputs, so an input changed since could not be detected; rebuild with --overwrite")
+        raise UsageError(
+            f"--resume: {out} was built by an older builder that did not record the state of "
+            "its inputs, so an input changed since could not be detected; rebuild with --overwrite"
+        )
     old = {path: (size, mtime) for path, size, mtime in before["input_state"]}
     for path, size, mtime in fingerprint["input_state"]:
         if path in old and old[path] != (size, mtime):
@@ -116,14 +131,17 @@ def check_resumable(previous: dict, *, fingerprint: dict, out: Path) -> None:
             raise UsageError(
                 f"--resume: {path} changed since the build in {out} started (size {size0:,} -> {size:,} bytes, "
                 f"modified {_when(mtime0)} -> {_when(mtime)}); its finished parts hold the old text, so "
-                f"rebuild with --overwrite (if only its time changed: touch -d @{mtime0 / 1e9:.9f} {path})")
+                f"rebuild with --overwrite (if only its time changed: touch -d @{mtime0 / 1e9:.9f} {path})"
+            )
     keys = set(before) | set(fingerprint)
     differ = sorted(k for k in keys - {"input_state"} if before.get(k) != fingerprint.get(k))
     if differ:
-        raise UsageError(f"--resume: {out} was built with different {', '.join(differ)} "
-                         f"(before: {[before.get(k) for k in differ]}, now: "
-                         f"{[fingerprint.get(k) for k in differ]}); rerun with the same settings "
-                         "or use --overwrite")
+        raise UsageError(
+            f"--resume: {out} was built with different {', '.join(differ)} "
+            f"(before: {[before.get(k) for k in differ]}, now: "
+            f"{[fingerprint.get(k) for k in differ]}); rerun with the same settings "
+            "or use --overwrite"
+        )
 
 
 def verify_done_parts(out: Path, done: list, *, part_stats: str) -> None:
@@ -136,8 +154,10 @@ def verify_done_parts(out: Path, done: list, *, part_stats: str) -> None:
         stats = json.loads((out / chunk.name / part_stats).read_text())
         source = stats.get("source")
         if not source:
-            raise UsageError(f"--resume: {out / chunk.name} was written by an older builder that did not "
-                             "record a digest of its input; rebuild with --overwrite")
+            raise UsageError(
+                f"--resume: {out / chunk.name} was written by an older builder that did not "
+                "record a digest of its input; rebuild with --overwrite"
+            )
         lo, hi = source["span"]
         with reading(chunk.file):
             now = digest(chunk.file.path, lo, hi, cache=cache)
@@ -145,7 +165,8 @@ def verify_done_parts(out: Path, done: list, *, part_stats: str) -> None:
             raise UsageError(
                 f"--resume: {chunk.file.path} changed since {out / chunk.name} was made from it (its bytes "
                 f"{lo:,}-{hi:,} differ, though the file's size and modification time do not); its finished "
-                "parts hold the old text, so rebuild with --overwrite")
+                "parts hold the old text, so rebuild with --overwrite"
+            )
 
 
 def remove_stale(out: Path, *, keep: set[str], part_stats: str) -> None:

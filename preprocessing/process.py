@@ -7,6 +7,7 @@ depends on the block size, not on the chunk or the corpus. Writes into a tempora
 renames it to OUTPUT/part-XXXXX when complete, so a part folder is always whole. Returns the
 chunk's counts, never data.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,17 +21,24 @@ import socket
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
-from preprocessing.inputs import Chunk, check_unchanged, digest, reading
-from preprocessing.mds import (COMPRESSION, HASHES, SIZE_LIMIT, LocalMDSWriter, columns_for, id_dtype_for,
-                               make_fast_writer_class)
-from preprocessing.readers import ChunkReader
 from preprocessing.errors import UsageError
+from preprocessing.inputs import Chunk, check_unchanged, digest, reading
+from preprocessing.mds import (
+    COMPRESSION,
+    HASHES,
+    SIZE_LIMIT,
+    LocalMDSWriter,
+    columns_for,
+    id_dtype_for,
+    make_fast_writer_class,
+)
+from preprocessing.readers import ChunkReader
 from preprocessing.samples import Packer, TokenizedDocs, assemble_nsp, concat_docs, nsp_instances
 from preprocessing.text import clean_text, detect_language, split_sentences
 from preprocessing.tokenization import SentenceEncoder
@@ -51,6 +59,7 @@ objects cost ~100 bytes per token, so a whole block at once would cost hundreds 
 @dataclass(frozen=True)
 class TaskSpec:
     """What every chunk task shares (the tokenizer's text travels separately, via the object store)."""
+
     output: str
     remote: str | None
     fmt: str
@@ -69,6 +78,7 @@ class TaskSpec:
 @dataclass
 class _Entry:
     """A document (or, for a document longer than a block, one part of it) ready to tokenise."""
+
     doc_id: int
     lang: str
     sentences: list[str]
@@ -93,8 +103,7 @@ def block_seed(seed: int, *, chunk_index: int, block_index: int) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
-def process_chunk(chunk: Chunk, *, spec: TaskSpec, tokenizer_json: str,
-                  plan: list[Chunk] | None = None) -> dict:
+def process_chunk(chunk: Chunk, *, spec: TaskSpec, tokenizer_json: str, plan: list[Chunk] | None = None) -> dict:
     """Build OUTPUT/part-XXXXX for `chunk`; return its stats (also saved as part_stats.json).
     `plan` is every chunk of the build, indexed by Chunk.index (NSP donors come from it)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one task = one core; Ray runs the others
@@ -108,13 +117,27 @@ def process_chunk(chunk: Chunk, *, spec: TaskSpec, tokenizer_json: str,
     state = _State()
     columns = columns_for(fmt=spec.fmt, vocab_size=spec.vocab_size)
     if remote:  # streaming's own writer and uploader
-        writer = make_fast_writer_class()(out=(str(tmp), remote), keep_local=True, columns=columns,
-                                          compression=COMPRESSION, hashes=HASHES, size_limit=SIZE_LIMIT)
+        writer = make_fast_writer_class()(
+            out=(str(tmp), remote),
+            keep_local=True,
+            columns=columns,
+            compression=COMPRESSION,
+            hashes=HASHES,
+            size_limit=SIZE_LIMIT,
+        )
     else:
         writer = LocalMDSWriter(out=str(tmp), columns=columns)
     with writer:
-        packer = Packer(max_seq_len=spec.max_seq_len, cls_id=spec.cls_id, sep_id=spec.sep_id,
-                        dtype=id_dtype_for(spec.vocab_size)) if spec.fmt == "packed" else None
+        packer = (
+            Packer(
+                max_seq_len=spec.max_seq_len,
+                cls_id=spec.cls_id,
+                sep_id=spec.sep_id,
+                dtype=id_dtype_for(spec.vocab_size),
+            )
+            if spec.fmt == "packed"
+            else None
+        )
         donors = _Donors(chunk, plan=plan or [chunk], spec=spec, encoder=encoder)
         for block_index, block in enumerate(_blocks(reader, spec=spec, state=state)):
             docs = _tokenize(block, encoder=encoder, reader=reader, state=state, id_base=_id_base(chunk))
@@ -125,8 +148,9 @@ def process_chunk(chunk: Chunk, *, spec: TaskSpec, tokenizer_json: str,
             else:
                 rng = random.Random(block_seed(spec.seed, chunk_index=chunk.index, block_index=block_index))
                 if len(np.unique(docs.doc_ids)) < 2:  # no other document to draw a random B from
-                    docs = dataclasses.replace(concat_docs([docs, donors(set(docs.doc_ids.tolist()))]),
-                                               num_a_docs=docs.num_docs)
+                    docs = dataclasses.replace(
+                        concat_docs([docs, donors(set(docs.doc_ids.tolist()))]), num_a_docs=docs.num_docs
+                    )
                     state.counts["nsp_blocks_with_donors"] += 1
                 _write_nsp(writer, docs, spec=spec, rng=rng, counts=state.counts)
         if packer is not None:
@@ -143,11 +167,20 @@ def process_chunk(chunk: Chunk, *, spec: TaskSpec, tokenizer_json: str,
     counts["shards"] = len(shards)
     counts["bytes"] = sum((s.get("zip_data") or s["raw_data"])["bytes"] for s in shards)
     counts["input_bytes"] = chunk.nbytes
-    stats = {"chunk": chunk.name, "index": chunk.index, "file": chunk.file.path,
-             "start": chunk.start, "end": chunk.end, "source": source, "counts": dict(counts),
-             "wall_s": round(time.time() - t0, 3), "cpu_s": round(time.process_time() - c0, 3),
-             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-             "pid": os.getpid(), "host": socket.gethostname()}
+    stats = {
+        "chunk": chunk.name,
+        "index": chunk.index,
+        "file": chunk.file.path,
+        "start": chunk.start,
+        "end": chunk.end,
+        "source": source,
+        "counts": dict(counts),
+        "wall_s": round(time.time() - t0, 3),
+        "cpu_s": round(time.process_time() - c0, 3),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+    }
     with open(tmp / PART_REJECTS, "w") as f:
         for entry in reader.rejects:
             f.write(json.dumps(entry, ensure_ascii=False) + "\n")
@@ -163,19 +196,30 @@ def _write_packed(writer, docs: TokenizedDocs, *, packer: Packer, counts: Counte
     ids_NL, ws_NL, langs = packer.add(docs)
     types_L = np.zeros(ids_NL.shape[1], dtype=np.uint8)
     for i in range(len(ids_NL)):
-        writer.write({"input_ids": ids_NL[i], "token_type_ids": types_L, "word_starts": ws_NL[i],
-                      "lang": langs[i]})
+        writer.write({"input_ids": ids_NL[i], "token_type_ids": types_L, "word_starts": ws_NL[i], "lang": langs[i]})
     counts["samples"] += len(ids_NL)
     counts["tokens_in_samples"] += ids_NL.size
 
 
 def _write_nsp(writer, docs: TokenizedDocs, *, spec: TaskSpec, rng: random.Random, counts: Counter) -> None:
     dtype = id_dtype_for(spec.vocab_size)
-    for inst in nsp_instances(docs, rng=rng, max_seq_len=spec.max_seq_len, short_seq_prob=spec.short_seq_prob,
-                              random_next_prob=spec.random_next_prob):
+    for inst in nsp_instances(
+        docs,
+        rng=rng,
+        max_seq_len=spec.max_seq_len,
+        short_seq_prob=spec.short_seq_prob,
+        random_next_prob=spec.random_next_prob,
+    ):
         ids, types, ws = assemble_nsp(docs, inst, cls_id=spec.cls_id, sep_id=spec.sep_id, dtype=dtype)
-        writer.write({"input_ids": ids, "token_type_ids": types, "word_starts": ws,
-                      "nsp_label": int(inst.is_random_next), "lang": docs.doc_langs[inst.a_doc]})
+        writer.write(
+            {
+                "input_ids": ids,
+                "token_type_ids": types,
+                "word_starts": ws,
+                "nsp_label": int(inst.is_random_next),
+                "lang": docs.doc_langs[inst.a_doc],
+            }
+        )
         counts["samples"] += 1
         counts["nsp_random_next"] += int(inst.is_random_next)
         counts["tokens_in_samples"] += len(ids)
@@ -251,8 +295,9 @@ def _id_base(chunk: Chunk) -> int:
     return chunk.index << 32
 
 
-def _tokenize(block: list[_Entry], *, encoder: SentenceEncoder, reader: ChunkReader,
-              state: _State, id_base: int) -> TokenizedDocs:
+def _tokenize(
+    block: list[_Entry], *, encoder: SentenceEncoder, reader: ChunkReader, state: _State, id_base: int
+) -> TokenizedDocs:
     """Tokenise a block; drop sentences without tokens and count documents without any."""
     sentences = [s for e in block for s in e.sentences]
     per_entry = np.array([len(e.sentences) for e in block], dtype=np.int64)
@@ -265,8 +310,9 @@ def _tokenize(block: list[_Entry], *, encoder: SentenceEncoder, reader: ChunkRea
             n += len(sentences[hi])
             hi += 1
         ids, lengths, encodings = encoder.encode(sentences[lo:hi])
-        ws = word_starts(encoder, ids_T=ids, lengths_S=lengths, encodings=encodings,
-                         sentences=sentences[lo:hi], zh_S=zh_S[lo:hi])
+        ws = word_starts(
+            encoder, ids_T=ids, lengths_S=lengths, encodings=encodings, sentences=sentences[lo:hi], zh_S=zh_S[lo:hi]
+        )
         ids_parts.append(ids)
         ws_parts.append(ws)
         len_parts.append(lengths)
@@ -300,10 +346,14 @@ def _tokenize(block: list[_Entry], *, encoder: SentenceEncoder, reader: ChunkRea
         mask = zh_S if lang == "zh" else ~zh_S
         c[f"tokens_{lang}"] += int(lengths_S[mask].sum())
     return TokenizedDocs(
-        ids_T=ids_T, word_starts_T=ws_T,
+        ids_T=ids_T,
+        word_starts_T=ws_T,
         sent_offsets_S1=np.concatenate([[0], np.cumsum(lengths_kept)]).astype(np.int64),
         doc_sent_offsets_D1=np.concatenate([[0], np.cumsum(kept_counts)]).astype(np.int64),
-        doc_langs=doc_langs, doc_is_new=np.array(is_new, dtype=bool), doc_ids=np.array(doc_ids, dtype=np.int64))
+        doc_langs=doc_langs,
+        doc_is_new=np.array(is_new, dtype=bool),
+        doc_ids=np.array(doc_ids, dtype=np.int64),
+    )
 
 
 class _Donors:
@@ -326,8 +376,10 @@ class _Donors:
         own = self._gather([self.chunk], exclude=exclude, every_block=True)
         if own.num_docs:
             return own
-        raise UsageError(f"--format nsp: {self.chunk.file.where()} holds the only document of the inputs, but "
-                         "a random B must come from another document; add documents or use --format packed")
+        raise UsageError(
+            f"--format nsp: {self.chunk.file.where()} holds the only document of the inputs, but "
+            "a random B must come from another document; add documents or use --format packed"
+        )
 
     def _gather(self, candidates: list[Chunk], *, exclude: set[int], every_block: bool = False) -> TokenizedDocs:
         """Donors from the first block of each candidate (every block until one is found, with
@@ -366,8 +418,7 @@ def _finish_counts(reader: ChunkReader, state: _State) -> Counter:
     """Merge reader and processing counts into the manifest's vocabulary; a multi-part document
     none of whose parts had a token is skipped as no_tokens."""
     counts = Counter(state.counts)
-    for doc_id in state.split_docs - state.split_docs_seen:
-        counts["skipped_no_tokens"] += 1
+    counts["skipped_no_tokens"] += len(state.split_docs - state.split_docs_seen)
     counts.update(reader.counts)
     counts["documents_written"] = state.docs_with_tokens
     return counts

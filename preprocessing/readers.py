@@ -10,13 +10,15 @@ Lines are decoded in the file's encoding (charsets.py); a UTF-8 byte-order mark 
 file is dropped (a JSON parser would refuse the first record for it). An input that vanishes, or
 compressed data that is truncated or corrupt, is a UsageError naming the file (inputs.reading).
 """
+
 from __future__ import annotations
 
 import json
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 from preprocessing import charsets
 from preprocessing.inputs import Chunk, open_source, reading
@@ -39,6 +41,7 @@ class RawDocument:
     """A document's lines as decoded text, and where it starts: `line` is 1-based and relative to
     the chunk's first line (text, JSONL) or the row index in the file (Parquet, Arrow). A very
     long document comes in parts: `part` counts them from 0, `last` marks the final one."""
+
     lines: list[str]
     line: int
     part: int = 0
@@ -51,6 +54,7 @@ class ChunkReader:
     non_utf8_replacements and long_line_pieces, `rejects` the logged problems, and `span` the
     bytes [lo, hi) of the file the documents depend on (the whole file unless it is read by byte
     ranges; then the chunk's range as aligned, with the bytes the alignment looked at)."""
+
     chunk: Chunk
     text_field: str = "text"
     counts: Counter = field(default_factory=Counter)
@@ -137,7 +141,7 @@ class ChunkReader:
                 if not piece:
                     break
                 if pos == 0 and piece.startswith(_UTF8_BOM):
-                    piece, pos = piece[len(_UTF8_BOM):], len(_UTF8_BOM)
+                    piece, pos = piece[len(_UTF8_BOM) :], len(_UTF8_BOM)
                 if piece.endswith(b"\n") or len(data) < limit:  # a whole line, or the last one
                     pos += len(piece)
                     line_no += 1

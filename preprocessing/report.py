@@ -1,13 +1,23 @@
 """The build's account: per-part stats summed into the manifest's counts, package versions, and the
 summary table printed at the end (the same numbers as build_manifest.json)."""
+
 from __future__ import annotations
 
 import platform
 from collections import Counter
 from importlib import metadata
 
-PACKAGES = ("tokencl", "tokenizers", "transformers", "mosaicml-streaming", "ray", "numpy",
-            "pyarrow", "rjieba", "zstandard")
+PACKAGES = (
+    "tokencl",
+    "tokenizers",
+    "transformers",
+    "mosaicml-streaming",
+    "ray",
+    "numpy",
+    "pyarrow",
+    "rjieba",
+    "zstandard",
+)
 
 
 def versions() -> dict[str, str]:
@@ -26,9 +36,12 @@ def aggregate(part_stats: list[dict], *, fmt: str) -> dict:
     total: Counter = Counter()
     for stats in part_stats:
         total.update(stats["counts"])
-    skipped = {k[len("skipped_"):]: v for k, v in sorted(total.items()) if k.startswith("skipped_") and v}
-    rejects = {k[len("rejects_"):]: v for k, v in sorted(total.items())
-               if k.startswith("rejects_") and k != "rejects_not_logged" and v}
+    skipped = {k[len("skipped_") :]: v for k, v in sorted(total.items()) if k.startswith("skipped_") and v}
+    rejects = {
+        k[len("rejects_") :]: v
+        for k, v in sorted(total.items())
+        if k.startswith("rejects_") and k != "rejects_not_logged" and v
+    }
     counts = {
         "documents_in": total["documents_in"],
         "documents_written": total["documents_written"],
@@ -56,7 +69,8 @@ def aggregate(part_stats: list[dict], *, fmt: str) -> dict:
         counts["tokens_dropped_tail"] = total["tokens_dropped_tail"]
     accounted = counts["documents_written"] + sum(skipped.values())
     assert counts["documents_in"] == accounted, (
-        f"internal error: {counts['documents_in']} documents in, {accounted} accounted for")
+        f"internal error: {counts['documents_in']} documents in, {accounted} accounted for"
+    )
     return counts
 
 
@@ -68,10 +82,16 @@ def format_summary(manifest: dict) -> str:
         ("output", cfg["output"]),
         ("format", f"{cfg['format']}, max_seq_len {cfg['max_seq_len']}, seed {cfg['seed']}"),
         ("tokenizer", f"{manifest['tokenizer']['kind']} ({manifest['tokenizer']['vocab_size']} tokens)"),
-        ("input", f"{c['input_bytes'] / 1e6:.1f} MB in {manifest['chunks']} chunks "
-                  f"({manifest['chunks_resumed']} already done)"),
-        ("wall time", f"{manifest['wall_s']:.1f} s  ({manifest['mb_per_s']:.2f} MB/s, "
-                      f"{manifest['workers']} workers, peak RSS/worker {manifest['peak_rss_mb_per_worker']:.0f} MB)"),
+        (
+            "input",
+            f"{c['input_bytes'] / 1e6:.1f} MB in {manifest['chunks']} chunks "
+            f"({manifest['chunks_resumed']} already done)",
+        ),
+        (
+            "wall time",
+            f"{manifest['wall_s']:.1f} s  ({manifest['mb_per_s']:.2f} MB/s, "
+            f"{manifest['workers']} workers, peak RSS/worker {manifest['peak_rss_mb_per_worker']:.0f} MB)",
+        ),
         ("documents in", f"{c['documents_in']:,}"),
         ("documents written", f"{c['documents_written']:,}"),
     ]
@@ -79,8 +99,10 @@ def format_summary(manifest: dict) -> str:
     rows += [
         ("sentences", f"{c['sentences']:,}"),
         ("tokens", f"{c['tokens']:,}  (en {c['tokens_by_lang']['en']:,}, zh {c['tokens_by_lang']['zh']:,})"),
-        ("samples", f"{c['samples']:,}" + (f"  ({c['nsp_random_next']:,} with a random B)"
-                                             if "nsp_random_next" in c else "")),
+        (
+            "samples",
+            f"{c['samples']:,}" + (f"  ({c['nsp_random_next']:,} with a random B)" if "nsp_random_next" in c else ""),
+        ),
     ]
     if "tokens_truncated" in c:
         rows.append(("tokens truncated", f"{c['tokens_truncated']:,}"))
@@ -89,8 +111,7 @@ def format_summary(manifest: dict) -> str:
     rows += [
         ("shards", f"{c['shards']:,}  ({c['bytes'] / 1e6:.1f} MB, zstd)"),
         ("non-UTF-8 replaced", f"{c['non_utf8_replacements']:,}"),
-        ("problems logged", f"{sum(c['problems_by_reason'].values()) - c['problems_not_logged']:,}"
-                            "  (rejects.jsonl)"),
+        ("problems logged", f"{sum(c['problems_by_reason'].values()) - c['problems_not_logged']:,}  (rejects.jsonl)"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -99,12 +120,16 @@ def format_summary(manifest: dict) -> str:
 def explain_no_samples(counts: dict, *, fmt: str, max_seq_len: int) -> str:
     """Why a build wrote nothing, from its counts, and what would change that."""
     skipped = ", ".join(f"{k} {v:,}" for k, v in counts["documents_skipped"].items()) or "none"
-    why = (f"{counts['documents_in']:,} documents read, {counts['documents_written']:,} written "
-           f"(skipped: {skipped}; rejects.jsonl lists each one)")
+    why = (
+        f"{counts['documents_in']:,} documents read, {counts['documents_written']:,} written "
+        f"(skipped: {skipped}; rejects.jsonl lists each one)"
+    )
     if counts["documents_in"] == 0:
         return why + "; the inputs hold no documents"
     if fmt == "packed" and counts.get("tokens_dropped_tail"):
-        return (why + f"; --format packed drops what is left of each chunk after its last full block of "
-                f"{max_seq_len} tokens ({counts['tokens_dropped_tail']:,} tokens here): give more text, a "
-                "smaller --max_seq_len or a larger --chunk_mb")
+        return (
+            why + f"; --format packed drops what is left of each chunk after its last full block of "
+            f"{max_seq_len} tokens ({counts['tokens_dropped_tail']:,} tokens here): give more text, a "
+            "smaller --max_seq_len or a larger --chunk_mb"
+        )
     return why + "; every document was skipped"

@@ -4,11 +4,13 @@ Legend: T tokens (flat, documents back to back), S sentences, D documents, N sam
 A document's sentences, and a sentence's tokens, are contiguous in the flat arrays, so every
 segment is a (lo, hi) token range and nothing is copied until a sample is assembled.
 """
+
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -17,6 +19,7 @@ import numpy as np
 class TokenizedDocs:
     """A block of documents. ids_T/word_starts_T: tokens; sent_offsets_S1: token offset of each
     sentence (S+1); doc_sent_offsets_D1: first sentence of each document (D+1); doc_langs: D."""
+
     ids_T: np.ndarray
     word_starts_T: np.ndarray
     sent_offsets_S1: np.ndarray
@@ -62,9 +65,11 @@ def concat_docs(parts: list[TokenizedDocs]) -> TokenizedDocs:
         ids_T=np.concatenate(ids) if ids else np.zeros(0, np.uint32),
         word_starts_T=np.concatenate(ws) if ws else np.zeros(0, np.uint8),
         sent_offsets_S1=np.concatenate(sent).astype(np.int64),
-        doc_sent_offsets_D1=np.concatenate(doc).astype(np.int64), doc_langs=langs,
+        doc_sent_offsets_D1=np.concatenate(doc).astype(np.int64),
+        doc_langs=langs,
         doc_is_new=np.concatenate(new) if new else np.zeros(0, bool),
-        doc_ids=np.concatenate(src).astype(np.int64) if src else np.zeros(0, np.int64))
+        doc_ids=np.concatenate(src).astype(np.int64) if src else np.zeros(0, np.int64),
+    )
 
 
 def _runs(ids_D: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -82,6 +87,7 @@ def _runs(ids_D: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 class NspInstance(NamedTuple):
     """Token ranges of segment A and B after truncation, and before it (a_full, b_full), for the
     flat arrays of one TokenizedDocs block. is_random_next is the NSP label (1 = random B)."""
+
     a: tuple[int, int]
     b: tuple[int, int]
     is_random_next: bool
@@ -91,8 +97,14 @@ class NspInstance(NamedTuple):
     b_full: tuple[int, int]
 
 
-def nsp_instances(docs: TokenizedDocs, *, rng: random.Random, max_seq_len: int,
-                  short_seq_prob: float = 0.1, random_next_prob: float = 0.5) -> Iterator[NspInstance]:
+def nsp_instances(
+    docs: TokenizedDocs,
+    *,
+    rng: random.Random,
+    max_seq_len: int,
+    short_seq_prob: float = 0.1,
+    random_next_prob: float = 0.5,
+) -> Iterator[NspInstance]:
     """BERT's create_instances_from_document over every document of the block, in order.
 
     Per document a target length (max_seq_len - 3, or with probability short_seq_prob a random
@@ -149,8 +161,9 @@ def nsp_instances(docs: TokenizedDocs, *, rng: random.Random, max_seq_len: int,
             i += 1
 
 
-def _truncate_pair(a: tuple[int, int], b: tuple[int, int], *, max_tokens: int,
-                   rng: random.Random) -> tuple[tuple[int, int], tuple[int, int]]:
+def _truncate_pair(
+    a: tuple[int, int], b: tuple[int, int], *, max_tokens: int, rng: random.Random
+) -> tuple[tuple[int, int], tuple[int, int]]:
     """BERT's truncate_seq_pair on token ranges."""
     (a_lo, a_hi), (b_lo, b_hi) = a, b
     while (a_hi - a_lo) + (b_hi - b_lo) > max_tokens:
@@ -167,21 +180,22 @@ def _truncate_pair(a: tuple[int, int], b: tuple[int, int], *, max_tokens: int,
     return (a_lo, a_hi), (b_lo, b_hi)
 
 
-def assemble_nsp(docs: TokenizedDocs, inst: NspInstance, *, cls_id: int, sep_id: int,
-                 dtype: type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def assemble_nsp(
+    docs: TokenizedDocs, inst: NspInstance, *, cls_id: int, sep_id: int, dtype: type
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(input_ids_L, token_type_ids_L, word_starts_L) of `[CLS] A [SEP] B [SEP]`. Special tokens
     and the first token of A and of B (possibly cut mid-word by truncation) start words."""
     (a_lo, a_hi), (b_lo, b_hi) = inst.a, inst.b
     la, lb = a_hi - a_lo, b_hi - b_lo
     ids = np.empty(la + lb + 3, dtype=dtype)
     ids[0], ids[la + 1], ids[-1] = cls_id, sep_id, sep_id
-    ids[1:la + 1] = docs.ids_T[a_lo:a_hi]
-    ids[la + 2:-1] = docs.ids_T[b_lo:b_hi]
+    ids[1 : la + 1] = docs.ids_T[a_lo:a_hi]
+    ids[la + 2 : -1] = docs.ids_T[b_lo:b_hi]
     ws = np.ones(la + lb + 3, dtype=np.uint8)
-    ws[2:la + 1] = docs.word_starts_T[a_lo + 1:a_hi]
-    ws[la + 3:-1] = docs.word_starts_T[b_lo + 1:b_hi]
+    ws[2 : la + 1] = docs.word_starts_T[a_lo + 1 : a_hi]
+    ws[la + 3 : -1] = docs.word_starts_T[b_lo + 1 : b_hi]
     types = np.zeros(la + lb + 3, dtype=np.uint8)
-    types[la + 2:] = 1
+    types[la + 2 :] = 1
     return ids, types, ws
 
 

@@ -7,11 +7,12 @@ kinds), then the pieces. [CLS]/[SEP]/[MASK] are control symbols, not user-define
 that contains the text "[MASK]" must not produce the mask id (the builder's rule for every
 tokenizer), and sentencepiece never emits a control symbol from text.
 """
+
 from __future__ import annotations
 
 import io
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from preprocessing.errors import UsageError
 from preprocessing.text import MAX_SENTENCE_CHARS, split_long
@@ -39,8 +40,14 @@ _NORMAL, _UNKNOWN, _CONTROL = 1, 2, 3  # sentencepiece_model.proto ModelProto.Se
 SCORE_BITS = 6
 
 
-def train_sentencepiece(texts: Iterable[str], *, vocab_size: int, model_type: str = "unigram",
-                        lowercase: bool = True, num_threads: int = TRAIN_THREADS) -> bytes:
+def train_sentencepiece(
+    texts: Iterable[str],
+    *,
+    vocab_size: int,
+    model_type: str = "unigram",
+    lowercase: bool = True,
+    num_threads: int = TRAIN_THREADS,
+) -> bytes:
     """Train on `texts` (cleaned lines, read once) and return the serialized model (the bytes of a
     `.model` file). `vocab_size` counts the five special pieces and is an upper bound: a corpus
     too small for it yields fewer pieces, as HF's trainers do. The same texts and num_threads give
@@ -56,22 +63,38 @@ def train_sentencepiece(texts: Iterable[str], *, vocab_size: int, model_type: st
     spm.set_random_generator_seed(TRAIN_SEED)
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=lines, model_writer=model, model_type=model_type, vocab_size=vocab_size,
-            character_coverage=CHARACTER_COVERAGE, split_by_unicode_script=True,
+            sentence_iterator=lines,
+            model_writer=model,
+            model_type=model_type,
+            vocab_size=vocab_size,
+            character_coverage=CHARACTER_COVERAGE,
+            split_by_unicode_script=True,
             # nmt_nfkc is sentencepiece's default rule; _cf adds Unicode case folding.
             normalization_rule_name="nmt_nfkc_cf" if lowercase else "nmt_nfkc",
-            pad_id=0, pad_piece="[PAD]", unk_id=1, unk_piece="[UNK]", bos_id=-1, eos_id=-1,
-            control_symbols=["[CLS]", "[SEP]", "[MASK]"], required_chars=_required_chars(lowercase),
-            hard_vocab_limit=False, max_sentence_length=MAX_SENTENCE_BYTES, input_sentence_size=0,
-            num_threads=num_threads, minloglevel=1)
+            pad_id=0,
+            pad_piece="[PAD]",
+            unk_id=1,
+            unk_piece="[UNK]",
+            bos_id=-1,
+            eos_id=-1,
+            control_symbols=["[CLS]", "[SEP]", "[MASK]"],
+            required_chars=_required_chars(lowercase),
+            hard_vocab_limit=False,
+            max_sentence_length=MAX_SENTENCE_BYTES,
+            input_sentence_size=0,
+            num_threads=num_threads,
+            minloglevel=1,
+        )
     except (RuntimeError, SystemError) as err:  # sentencepiece 0.2.0 reports a failed iterator as SystemError
         if lines.error is not None:  # the reader failed; sentencepiece wraps it in a RuntimeError
             raise lines.error from None
         if lines.count == 0:
             raise UsageError("--train_tokenizer sentencepiece: the inputs hold no text to train on") from err
         if "Vocabulary size is smaller than required_chars" in str(err):
-            raise UsageError(f"--vocab_size {vocab_size}: smaller than the characters sentencepiece must "
-                             f"keep ({err}); raise --vocab_size") from err
+            raise UsageError(
+                f"--vocab_size {vocab_size}: smaller than the characters sentencepiece must "
+                f"keep ({err}); raise --vocab_size"
+            ) from err
         raise
     proto = model.getvalue()
     if model_type == "unigram":
@@ -134,7 +157,8 @@ def _model_pb2():
             f"--train_tokenizer sentencepiece: sentencepiece {version('sentencepiece')} cannot read its model "
             f"file with protobuf {version('protobuf')} ({type(err).__name__}: {err}); install the protobuf "
             "its model code was generated for (pip install -U protobuf), or sentencepiece<0.2.3 with "
-            "protobuf>=3.20") from err
+            "protobuf>=3.20"
+        ) from err
     return sentencepiece_model_pb2
 
 
@@ -180,11 +204,19 @@ def hf_tokenizer_from_sentencepiece(proto: bytes):
         raise ValueError("a SentencePiece model with byte_fallback is not supported")
     pieces = [(p.piece, p.score, p.type) for p in m.pieces]
     if spec.model_type == model_pb2.TrainerSpec.UNIGRAM:
-        model = models.Unigram([(piece, score if kind == _NORMAL else _NEVER_CHOSEN) for piece, score, kind in pieces],
-                               unk_id=spec.unk_id, byte_fallback=False)
+        model = models.Unigram(
+            [(piece, score if kind == _NORMAL else _NEVER_CHOSEN) for piece, score, kind in pieces],
+            unk_id=spec.unk_id,
+            byte_fallback=False,
+        )
     elif spec.model_type == model_pb2.TrainerSpec.BPE:
-        model = models.BPE({piece: i for i, (piece, _, _) in enumerate(pieces)}, _bpe_merges(pieces),
-                           unk_token=spec.unk_piece, fuse_unk=True, byte_fallback=False)
+        model = models.BPE(
+            {piece: i for i, (piece, _, _) in enumerate(pieces)},
+            _bpe_merges(pieces),
+            unk_token=spec.unk_piece,
+            fuse_unk=True,
+            byte_fallback=False,
+        )
     else:
         raise ValueError(f"SentencePiece model type {spec.model_type} is neither unigram nor BPE")
     tok = Tokenizer(model)
@@ -199,14 +231,17 @@ def hf_tokenizer_from_sentencepiece(proto: bytes):
     steps.append(normalizers.Replace(" ", "▁"))
     tok.normalizer = normalizers.Sequence(steps)
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True)
-    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always" if norm.add_dummy_prefix else "never",
-                                     split=True)
+    tok.decoder = decoders.Metaspace(
+        replacement="▁", prepend_scheme="always" if norm.add_dummy_prefix else "never", split=True
+    )
     specials = [piece for piece, _, kind in pieces if kind in (_CONTROL, _UNKNOWN)]
     tok.add_special_tokens([AddedToken(p, special=True, normalized=False) for p in specials])
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
     return tok
 
 
@@ -221,8 +256,7 @@ def _bpe_merges(pieces: list[tuple[str, float, int]]) -> list[tuple[str, str]]:
         piece, _, kind = pieces[i]
         if kind != _NORMAL:
             continue
-        merges += [(piece[:k], piece[k:]) for k in range(1, len(piece))
-                   if piece[:k] in normal and piece[k:] in normal]
+        merges += [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in normal and piece[k:] in normal]
     return merges
 
 
@@ -233,10 +267,15 @@ def save_sentencepiece(proto: bytes, out_dir: Path) -> None:
     from transformers import PreTrainedTokenizerFast
 
     hf = PreTrainedTokenizerFast(
-        tokenizer_object=hf_tokenizer_from_sentencepiece(proto), unk_token="[UNK]", sep_token="[SEP]",
-        pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]",
+        tokenizer_object=hf_tokenizer_from_sentencepiece(proto),
+        unk_token="[UNK]",
+        sep_token="[SEP]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        mask_token="[MASK]",
         # decode() then gives sentencepiece's own decoding, not BERT's " ." -> "." clean-up.
-        clean_up_tokenization_spaces=False)
+        clean_up_tokenization_spaces=False,
+    )
     hf.model_max_length = 512
     hf.save_pretrained(str(out_dir))
     (out_dir / SP_MODEL_FILE).write_bytes(proto)

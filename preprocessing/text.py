@@ -4,6 +4,7 @@ The builder applies, per line: `clean_text` (control characters out, NFKC with f
 folded to half-width, whitespace collapsed), then per document `detect_language` (share of CJK
 ideographs) unless the input names its language, then `split_sentences`.
 """
+
 from __future__ import annotations
 
 import re
@@ -15,8 +16,14 @@ import numpy as np
 # The CJK ideograph blocks BERT's tokenizer isolates as one token per character
 # (BasicTokenizer._is_chinese_char); the same set drives language detection and word alignment.
 CJK_RANGES: tuple[tuple[int, int], ...] = (
-    (0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F),
-    (0x2B740, 0x2B81F), (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F),
+    (0x4E00, 0x9FFF),
+    (0x3400, 0x4DBF),
+    (0x20000, 0x2A6DF),
+    (0x2A700, 0x2B73F),
+    (0x2B740, 0x2B81F),
+    (0x2B820, 0x2CEAF),
+    (0xF900, 0xFAFF),
+    (0x2F800, 0x2FA1F),
 )
 _CJK_CLASS = "".join(f"{chr(lo)}-{chr(hi)}" for lo, hi in CJK_RANGES)
 _CJK_RE = re.compile(f"[{_CJK_CLASS}]")
@@ -26,8 +33,9 @@ _CJK_RE = re.compile(f"[{_CJK_CLASS}]")
 
 
 def _control_class() -> str:
-    codes = [c for c in range(sys.maxunicode + 1)
-             if unicodedata.category(chr(c)) in ("Cc", "Cf") and chr(c) not in "\t\n\r"]
+    codes = [
+        c for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) in ("Cc", "Cf") and chr(c) not in "\t\n\r"
+    ]
     ranges, lo = [], codes[0]
     for prev, cur in zip(codes, codes[1:] + [-1]):
         if cur != prev + 1:
@@ -79,12 +87,14 @@ def detect_language(text: str, *, sample_chars: int = 2000, threshold: float = 0
 # that can start a sentence. Decimals ("3.14") never match because no whitespace follows the dot.
 _EN_BOUNDARY = re.compile(r"""([.!?]+|…)["'”’)\]]*\s+(?=["'“‘(\[]?[A-Z0-9])""")
 _INITIALISM = re.compile(r"(?:[A-Za-z]\.)+[A-Za-z]")
-EN_ABBREVIATIONS = frozenset("""
+EN_ABBREVIATIONS = frozenset(
+    """
     mr mrs ms dr prof sr jr st mt ft rev hon gen col lt capt sgt maj cmdr adm gov sen rep pres
     vs etc e.g i.e cf viz al approx ca no nos fig figs eq eqs vol vols pp ed eds op dept univ
     inc ltd co corp bros assn ave blvd rd jan feb mar apr jun jul aug sep sept oct nov dec
     u.s u.k u.n e.u a.m p.m ph.d b.a m.a b.sc m.sc d.c
-""".split())
+""".split()
+)
 
 # Chinese: 。！？； (NFKC folds the full-width ！？； to !?;) or …… (NFKC: six dots), then any
 # closing quotes or brackets, which stay with the sentence they close.
@@ -94,7 +104,7 @@ _ZH_BOUNDARY = re.compile(r"""(?:[。!?;]|…{2}|\.{6})+[”’"'」』)\]】》
 def _is_abbreviation(text: str, dot: int) -> bool:
     """True when the word ending at text[dot] == '.' is an abbreviation or an initial ('J.',
     'U.S.'), so the dot does not end the sentence."""
-    word = text[text.rfind(" ", 0, dot) + 1:dot].lstrip("([\"'“‘")
+    word = text[text.rfind(" ", 0, dot) + 1 : dot].lstrip("([\"'“‘")
     if len(word) <= 1:
         return word.isalpha()  # an initial: "J. K. Rowling"
     return word.lower() in EN_ABBREVIATIONS or ("." in word and _INITIALISM.fullmatch(word) is not None)
@@ -105,7 +115,7 @@ def _split_en(text: str) -> list[str]:
     for m in _EN_BOUNDARY.finditer(text):
         if m.group(1) == "." and _is_abbreviation(text, m.start(1)):
             continue
-        out.append(text[start:m.end()].strip())
+        out.append(text[start : m.end()].strip())
         start = m.end()
     out.append(text[start:].strip())
     return out
@@ -114,7 +124,7 @@ def _split_en(text: str) -> list[str]:
 def _split_zh(text: str) -> list[str]:
     out, start = [], 0
     for m in _ZH_BOUNDARY.finditer(text):
-        out.append(text[start:m.end()].strip())
+        out.append(text[start : m.end()].strip())
         start = m.end()
     out.append(text[start:].strip())
     return out

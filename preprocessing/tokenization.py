@@ -11,6 +11,7 @@ Trained kinds (`--train_tokenizer`), all lower-cased unless told otherwise, with
 The first two normalise with NFKC and isolate every CJK ideograph as its own token, as
 BERT-Chinese does.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,10 +19,10 @@ import hashlib
 import json
 import shutil
 import unicodedata
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -37,6 +38,7 @@ SP_MODEL_TYPES = ("unigram", "bpe")  # --sp_model_type, for --train_tokenizer se
 @dataclass(frozen=True)
 class TokenizerInfo:
     """What the manifest records and the workers need. `json` is tokenizer.json's text."""
+
     path: str
     source: str
     sha256: str
@@ -47,20 +49,32 @@ class TokenizerInfo:
     unk_id: int | None
 
     def manifest(self) -> dict:
-        return {"path": self.path, "source": self.source, "sha256": self.sha256,
-                "vocab_size": self.vocab_size, "kind": self.kind}
+        return {
+            "path": self.path,
+            "source": self.source,
+            "sha256": self.sha256,
+            "vocab_size": self.vocab_size,
+            "kind": self.kind,
+        }
 
 
 def _normalizer(lowercase: bool):
     from tokenizers import Regex, normalizers
-    return normalizers.Sequence([
-        normalizers.NFKC(),
-        # handle_chinese_chars puts spaces around every CJK ideograph: one token each.
-        normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
-                                   strip_accents=None if lowercase else False, lowercase=lowercase),
-        normalizers.Replace(Regex(" {2,}"), " "),
-        normalizers.Strip(),
-    ])
+
+    return normalizers.Sequence(
+        [
+            normalizers.NFKC(),
+            # handle_chinese_chars puts spaces around every CJK ideograph: one token each.
+            normalizers.BertNormalizer(
+                clean_text=True,
+                handle_chinese_chars=True,
+                strip_accents=None if lowercase else False,
+                lowercase=lowercase,
+            ),
+            normalizers.Replace(Regex(" {2,}"), " "),
+            normalizers.Strip(),
+        ]
+    )
 
 
 def new_tokenizer(kind: str, *, lowercase: bool = True):
@@ -73,22 +87,27 @@ def new_tokenizer(kind: str, *, lowercase: bool = True):
         tok.decoder = decoders.WordPiece(prefix="##")
     elif kind == "unigram":
         tok = Tokenizer(models.Unigram())
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
-            # An ideograph is a word of its own: drop the word marker in front of it so the
-            # unigram model cannot glue "▁" and the character into two tokens.
-            pre_tokenizers.Split(Regex(f"▁(?=[{_CJK_CLASS}])"), behavior="removed"),
-        ])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
+                # An ideograph is a word of its own: drop the word marker in front of it so the
+                # unigram model cannot glue "▁" and the character into two tokens.
+                pre_tokenizers.Split(Regex(f"▁(?=[{_CJK_CLASS}])"), behavior="removed"),
+            ]
+        )
         tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
     else:
-        raise UsageError(f"--train_tokenizer {kind}: new_tokenizer makes 'wordpiece' or 'unigram' "
-                         "('sentencepiece' is trained by sentencepiece_tokenizer.train_sentencepiece)")
+        raise UsageError(
+            f"--train_tokenizer {kind}: new_tokenizer makes 'wordpiece' or 'unigram' "
+            "('sentencepiece' is trained by sentencepiece_tokenizer.train_sentencepiece)"
+        )
     tok.normalizer = _normalizer(lowercase)
     return tok
 
 
-def train_tokenizer(kind: str, *, texts: Sequence[str] | Callable[[], Iterable[str]], vocab_size: int,
-                    lowercase: bool = True):
+def train_tokenizer(
+    kind: str, *, texts: Sequence[str] | Callable[[], Iterable[str]], vocab_size: int, lowercase: bool = True
+):
     """Train a joint 'wordpiece' or 'unigram' vocabulary on `texts` (cleaned lines; a callable is
     called once per pass). Returns a `tokenizers.Tokenizer` whose first ids are SPECIAL_TOKENS,
     with BERT's [CLS] A [SEP] B [SEP] post-processor. The same texts give the same tokenizer, run after run."""
@@ -104,12 +123,20 @@ def train_tokenizer(kind: str, *, texts: Sequence[str] | Callable[[], Iterable[s
         # those numbers, so two runs can give different vocabularies (huggingface/tokenizers
         # #1794). Declaring every '##x' up front, in sorted order, fixes their numbers.
         seeds = _continuation_seeds(passes(), tok.normalizer)
-        trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + seeds,
-                                            continuing_subword_prefix="##", show_progress=False)
+        trainer = trainers.WordPieceTrainer(
+            vocab_size=vocab_size,
+            special_tokens=SPECIAL_TOKENS + seeds,
+            continuing_subword_prefix="##",
+            show_progress=False,
+        )
     else:
-        trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                          unk_token="[UNK]", max_piece_length=16,
-                                          show_progress=False)
+        trainer = trainers.UnigramTrainer(
+            vocab_size=vocab_size,
+            special_tokens=SPECIAL_TOKENS,
+            unk_token="[UNK]",
+            max_piece_length=16,
+            show_progress=False,
+        )
     tok.train_from_iterator(passes(), trainer)
     spec = json.loads(tok.to_str())
     # The seeds are ordinary pieces, not special tokens (which decoding would skip).
@@ -118,7 +145,7 @@ def train_tokenizer(kind: str, *, texts: Sequence[str] | Callable[[], Iterable[s
         # The same pieces every run, but their scores differ in the last bits (hash-map order of
         # float sums) and their order with them: round the scores, then sort, for stable ids.
         pieces = spec["model"]["vocab"]
-        head, rest = pieces[:len(SPECIAL_TOKENS)], pieces[len(SPECIAL_TOKENS):]
+        head, rest = pieces[: len(SPECIAL_TOKENS)], pieces[len(SPECIAL_TOKENS) :]
         assert [p for p, _ in head] == SPECIAL_TOKENS
         rest = [[piece, round(score, 6)] for piece, score in rest]
         # Characters the trainer must keep are added near the end as a run of single characters
@@ -131,8 +158,10 @@ def train_tokenizer(kind: str, *, texts: Sequence[str] | Callable[[], Iterable[s
     tok = Tokenizer.from_str(json.dumps(spec))
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
     return tok
 
 
@@ -180,8 +209,7 @@ def save_trained(tok, out_dir: Path, *, kind: str, lowercase: bool) -> None:
     vocab.txt for WordPiece) that AutoTokenizer loads as a fast tokenizer."""
     from transformers import BertTokenizerFast, PreTrainedTokenizerFast
 
-    specials = dict(unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]", cls_token="[CLS]",
-                    mask_token="[MASK]")
+    specials = dict(unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]")
     if kind == "wordpiece":
         hf = BertTokenizerFast(tokenizer_object=tok, do_lower_case=lowercase, **specials)
     else:
@@ -190,8 +218,17 @@ def save_trained(tok, out_dir: Path, *, kind: str, lowercase: bool) -> None:
     hf.save_pretrained(str(out_dir))
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.txt", "vocab.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
 
 
 def copy_tokenizer(name_or_path: str, out_dir: Path) -> None:
@@ -200,8 +237,11 @@ def copy_tokenizer(name_or_path: str, out_dir: Path) -> None:
     (a hub name, a folder with only vocab.txt) goes through AutoTokenizer and save_pretrained."""
     src = Path(name_or_path)
     config = src / "tokenizer_config.json"
-    if (src / "tokenizer.json").is_file() and config.is_file() \
-            and json.loads(config.read_text()).get("tokenizer_class"):
+    if (
+        (src / "tokenizer.json").is_file()
+        and config.is_file()
+        and json.loads(config.read_text()).get("tokenizer_class")
+    ):
         out_dir.mkdir(parents=True)
         for name in TOKENIZER_FILES:
             if (src / name).is_file():
@@ -225,31 +265,50 @@ def describe(tok_dir: Path, *, source: str, kind: str | None = None) -> Tokenize
     data = (tok_dir / "tokenizer.json").read_bytes()
     tok = Tokenizer.from_str(data.decode("utf-8"))
     config = json.loads((tok_dir / "tokenizer_config.json").read_text())
-    sm = json.loads((tok_dir / "special_tokens_map.json").read_text()) \
-        if (tok_dir / "special_tokens_map.json").exists() else {}
+    sm = (
+        json.loads((tok_dir / "special_tokens_map.json").read_text())
+        if (tok_dir / "special_tokens_map.json").exists()
+        else {}
+    )
 
     def special(name: str, default: str) -> str:
         value = sm.get(name) or config.get(name) or default
         return value["content"] if isinstance(value, dict) else value
 
-    ids = {name: tok.token_to_id(special(f"{name}_token", f"[{name.upper()}]"))
-           for name in ("cls", "sep", "mask", "pad", "unk")}
+    ids = {
+        name: tok.token_to_id(special(f"{name}_token", f"[{name.upper()}]"))
+        for name in ("cls", "sep", "mask", "pad", "unk")
+    }
     missing = [f"{name} token" for name in ("cls", "sep", "mask", "pad") if ids[name] is None]
     if missing:
-        raise UsageError(f"--tokenizer {source}: has no {', '.join(missing)}; BERT pre-training needs "
-                         "[CLS], [SEP], [MASK] and [PAD] in the vocabulary")
+        raise UsageError(
+            f"--tokenizer {source}: has no {', '.join(missing)}; BERT pre-training needs "
+            "[CLS], [SEP], [MASK] and [PAD] in the vocabulary"
+        )
     cls_id, sep_id, unk_id = ids["cls"], ids["sep"], ids["unk"]
     model_type = json.loads(data)["model"]["type"].lower()
-    return TokenizerInfo(path=str(tok_dir), source=source,
-                         sha256=hashlib.sha256(data).hexdigest(),
-                         vocab_size=tok.get_vocab_size(with_added_tokens=True),
-                         kind=kind or model_type, cls_id=cls_id, sep_id=sep_id, unk_id=unk_id)
+    return TokenizerInfo(
+        path=str(tok_dir),
+        source=source,
+        sha256=hashlib.sha256(data).hexdigest(),
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+        kind=kind or model_type,
+        cls_id=cls_id,
+        sep_id=sep_id,
+        unk_id=unk_id,
+    )
 
 
-def prepare_tokenizer(*, tokenizer: str | None, train: str | None, vocab_size: int,
-                      lowercase: bool, out_dir: Path,
-                      texts: Callable[[], Iterable[str]] | None,
-                      sp_model_type: str | None = None) -> TokenizerInfo:
+def prepare_tokenizer(
+    *,
+    tokenizer: str | None,
+    train: str | None,
+    vocab_size: int,
+    lowercase: bool,
+    out_dir: Path,
+    texts: Callable[[], Iterable[str]] | None,
+    sp_model_type: str | None = None,
+) -> TokenizerInfo:
     """Fill out_dir (OUTPUT/tokenizer) and describe it. An existing out_dir is reused as is (a
     resumed build keeps the tokenizer its finished parts were made with). `sp_model_type`
     (default 'unigram') applies to train='sentencepiece' only."""
@@ -261,8 +320,12 @@ def prepare_tokenizer(*, tokenizer: str | None, train: str | None, vocab_size: i
         if train == "sentencepiece":
             from preprocessing.sentencepiece_tokenizer import save_sentencepiece, train_sentencepiece
 
-            proto = train_sentencepiece(texts() if texts else [], vocab_size=vocab_size,
-                                        model_type=sp_model_type or "unigram", lowercase=lowercase)
+            proto = train_sentencepiece(
+                texts() if texts else [],
+                vocab_size=vocab_size,
+                model_type=sp_model_type or "unigram",
+                lowercase=lowercase,
+            )
             save_sentencepiece(proto, tmp)
         elif train:
             tok = train_tokenizer(train, texts=texts or [], vocab_size=vocab_size, lowercase=lowercase)

@@ -17,6 +17,7 @@ In every sentence, the token after a bare '▁' piece continues the word that '�
 
 Legend: T tokens of a batch of sentences, S sentences, C characters.
 """
+
 from __future__ import annotations
 
 from itertools import chain
@@ -36,8 +37,15 @@ def segment_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) + shifts
 
 
-def word_starts(encoder: SentenceEncoder, *, ids_T: np.ndarray, lengths_S: np.ndarray,
-                encodings: list, sentences: list[str], zh_S: np.ndarray) -> np.ndarray:
+def word_starts(
+    encoder: SentenceEncoder,
+    *,
+    ids_T: np.ndarray,
+    lengths_S: np.ndarray,
+    encodings: list,
+    sentences: list[str],
+    zh_S: np.ndarray,
+) -> np.ndarray:
     """uint8 flags (T,): 1 where a token starts a word. Sentences flagged in zh_S get rjieba
     words for their ideographs. Every sentence's first token starts a word."""
     if encoder.start_table is not None:
@@ -47,7 +55,7 @@ def word_starts(encoder: SentenceEncoder, *, ids_T: np.ndarray, lengths_S: np.nd
         pos = 0
         for enc in encodings:
             w = np.array([-1 if x is None else x for x in enc.word_ids], dtype=np.int64)
-            ws_T[pos + 1:pos + len(w)] = w[1:] != w[:-1]
+            ws_T[pos + 1 : pos + len(w)] = w[1:] != w[:-1]
             pos += len(w)
     offsets_S1 = np.concatenate([[0], np.cumsum(lengths_S)])
     nonempty = lengths_S > 0
@@ -55,8 +63,15 @@ def word_starts(encoder: SentenceEncoder, *, ids_T: np.ndarray, lengths_S: np.nd
     zh_idx = np.flatnonzero(zh_S & nonempty)
     if len(zh_idx):
         fn = _spelled_chinese_word_starts if encoder.spelled else _chinese_word_starts
-        fn(encoder, ws_T=ws_T, ids_T=ids_T, offsets_S1=offsets_S1, lengths_S=lengths_S,
-           sentences=sentences, zh_idx=zh_idx)
+        fn(
+            encoder,
+            ws_T=ws_T,
+            ids_T=ids_T,
+            offsets_S1=offsets_S1,
+            lengths_S=lengths_S,
+            sentences=sentences,
+            zh_idx=zh_idx,
+        )
     if encoder.spelled and encoder.marker_id is not None and len(ids_T):
         ws_T[np.flatnonzero(ids_T[:-1] == encoder.marker_id) + 1] = 0
         ws_T[offsets_S1[:-1][nonempty]] = 1  # a sentence's first token, even after the last one's '▁'
@@ -74,9 +89,16 @@ def jieba_char_starts(text: str) -> np.ndarray:
     return flags
 
 
-def _chinese_word_starts(encoder: SentenceEncoder, *, ws_T: np.ndarray, ids_T: np.ndarray,
-                         offsets_S1: np.ndarray, lengths_S: np.ndarray, sentences: list[str],
-                         zh_idx: np.ndarray) -> None:
+def _chinese_word_starts(
+    encoder: SentenceEncoder,
+    *,
+    ws_T: np.ndarray,
+    ids_T: np.ndarray,
+    offsets_S1: np.ndarray,
+    lengths_S: np.ndarray,
+    sentences: list[str],
+    zh_idx: np.ndarray,
+) -> None:
     import rjieba
 
     texts = [sentences[i] for i in zh_idx]
@@ -85,8 +107,7 @@ def _chinese_word_starts(encoder: SentenceEncoder, *, ws_T: np.ndarray, ids_T: n
     cjk_C = is_cjk_codepoints(cps_C)
     # rjieba's words tile each sentence, so word lengths summed over the batch give start offsets
     # in the concatenated text.
-    word_lens = np.fromiter(chain.from_iterable(map(len, rjieba.cut(t)) for t in texts),
-                            dtype=np.int64)
+    word_lens = np.fromiter(chain.from_iterable(map(len, rjieba.cut(t)) for t in texts), dtype=np.int64)
     assert word_lens.sum() == len(cps_C), "rjieba's words must tile the text"
     starts_C = np.zeros(len(cps_C), dtype=np.uint8)
     starts_C[np.concatenate([[0], np.cumsum(word_lens)[:-1]])] = 1
@@ -102,8 +123,8 @@ def _chinese_word_starts(encoder: SentenceEncoder, *, ws_T: np.ndarray, ids_T: n
 
     for k in np.flatnonzero(~ok_S):
         sentence = texts[k]
-        local = starts_C[char_off[k]:char_off[k] + char_lens[k]]
-        local_cjk = cjk_C[char_off[k]:char_off[k] + char_lens[k]]
+        local = starts_C[char_off[k] : char_off[k] + char_lens[k]]
+        local_cjk = cjk_C[char_off[k] : char_off[k] + char_lens[k]]
         enc = encoder.tok.encode(sentence, add_special_tokens=False)
         base = offsets_S1[zh_idx[k]]
         for j, (tid, (lo, hi)) in enumerate(zip(enc.ids, enc.offsets)):
@@ -112,8 +133,9 @@ def _chinese_word_starts(encoder: SentenceEncoder, *, ws_T: np.ndarray, ids_T: n
                 ws_T[base + j] = local[lo]
 
 
-def spelled_char_positions(encoder: SentenceEncoder, *, ids_t: np.ndarray, n_tok: np.ndarray,
-                           char_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def spelled_char_positions(
+    encoder: SentenceEncoder, *, ids_t: np.ndarray, n_tok: np.ndarray, char_lens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """For a `spelled` tokenizer: (char_t, ok_S). ids_t: the tokens of S sentences, n_tok (S,) of
     them each; char_lens (S,): the sentences' lengths. ok_S: the sentence's tokens spell exactly
     its length in characters, plus the one '▁' sentencepiece puts in front. char_t (T,): the
@@ -130,9 +152,16 @@ def spelled_char_positions(encoder: SentenceEncoder, *, ids_t: np.ndarray, n_tok
     return char_t, ok_S
 
 
-def _spelled_chinese_word_starts(encoder: SentenceEncoder, *, ws_T: np.ndarray, ids_T: np.ndarray,
-                                 offsets_S1: np.ndarray, lengths_S: np.ndarray, sentences: list[str],
-                                 zh_idx: np.ndarray) -> None:
+def _spelled_chinese_word_starts(
+    encoder: SentenceEncoder,
+    *,
+    ws_T: np.ndarray,
+    ids_T: np.ndarray,
+    offsets_S1: np.ndarray,
+    lengths_S: np.ndarray,
+    sentences: list[str],
+    zh_idx: np.ndarray,
+) -> None:
     """Chinese sentences of a `spelled` tokenizer: every token without a leading '▁' gets rjieba's
     flag at its first character, found by spelled_char_positions, or by offsets in a sentence
     whose tokens do not add up to it (one with an [UNK])."""
@@ -155,7 +184,7 @@ def _spelled_chinese_word_starts(encoder: SentenceEncoder, *, ws_T: np.ndarray, 
     ws_T[tok_pos[take]] = starts_C[(char_off[sent_t] + char_t)[take]]
 
     for k in np.flatnonzero(~ok_S):
-        local = starts_C[char_off[k]:char_off[k] + char_lens[k]]
+        local = starts_C[char_off[k] : char_off[k] + char_lens[k]]
         enc = encoder.tok.encode(texts[k], add_special_tokens=False)
         base = offsets_S1[zh_idx[k]]
         for j, (tid, (lo, _)) in enumerate(zip(enc.ids, enc.offsets)):

@@ -1,4 +1,5 @@
 """Session-wide test environment: CPU DeepSpeed, Ray on loopback, no hub access."""
+
 import os
 import socket
 from pathlib import Path

@@ -2,13 +2,15 @@
 and a timed run of the trainer's own step (pre-flight, DeepSpeed engine, streaming loader, losses)
 in one process.
 """
+
 from __future__ import annotations
 
 import gc
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -44,22 +46,45 @@ def build_bench_shards(work: Path, *, tokenizer: str, seq_len: int, repeat: int)
     en = work / "corpus" / "en.txt"
     zh = work / "corpus" / "zh.jsonl"
     en.parent.mkdir(parents=True, exist_ok=True)
-    en.write_text(((SAMPLE_CORPUS / "en.txt").read_text(encoding="utf-8").rstrip("\n") + "\n\n") * repeat, encoding="utf-8")
+    en.write_text(
+        ((SAMPLE_CORPUS / "en.txt").read_text(encoding="utf-8").rstrip("\n") + "\n\n") * repeat, encoding="utf-8"
+    )
     zh.write_text((SAMPLE_CORPUS / "zh.jsonl").read_text(encoding="utf-8") * repeat, encoding="utf-8")
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         for fmt, path in out.items():
-            build_shards(BuildConfig(inputs=[f"en:{en}", f"zh:{zh}"], output=str(path), tokenizer=tokenizer, format=fmt,
-                                     max_seq_len=seq_len, seed=0, num_workers=2, overwrite=True, progress=False))
+            build_shards(
+                BuildConfig(
+                    inputs=[f"en:{en}", f"zh:{zh}"],
+                    output=str(path),
+                    tokenizer=tokenizer,
+                    format=fmt,
+                    max_seq_len=seq_len,
+                    seed=0,
+                    num_workers=2,
+                    overwrite=True,
+                    progress=False,
+                )
+            )
     finally:
         ray.shutdown()
     return out
 
 
 def write_model_config(path: Path, *, layers: int, hidden: int, heads: int, vocab: int, positions: int = 512) -> Path:
-    path.write_text(json.dumps({"vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers,
-                                "num_attention_heads": heads, "intermediate_size": 4 * hidden,
-                                "max_position_embeddings": positions, "model_type": "bert"}))
+    path.write_text(
+        json.dumps(
+            {
+                "vocab_size": vocab,
+                "hidden_size": hidden,
+                "num_hidden_layers": layers,
+                "num_attention_heads": heads,
+                "intermediate_size": 4 * hidden,
+                "max_position_embeddings": positions,
+                "model_type": "bert",
+            }
+        )
+    )
     return path
 
 
@@ -161,9 +186,21 @@ def loader_samples_per_s(data: Path, *, micro: int, batches: int, workers: int =
     info = inspect_data([str(data)], cache_root=str(data.parent / "cache"))
     tok = AutoTokenizer.from_pretrained(data / "tokenizer")
     spec = MaskingSpec(mask_token_id=tok.mask_token_id, special_ids=tuple(tok.all_special_ids), vocab_size=len(tok))
-    col = MaskingCollator(spec=spec, pad_id=tok.pad_token_id, seed=0, nsp=info.format == "nsp", max_seq_len=info.max_seq_len)
-    loader = build_loader(info, weights=None, micro_batch=micro, collator=col, vocab_size=len(tok), seed=0,
-                          num_workers=workers, num_canonical_nodes=1, run_id="bench-loader", pin_memory=False)
+    col = MaskingCollator(
+        spec=spec, pad_id=tok.pad_token_id, seed=0, nsp=info.format == "nsp", max_seq_len=info.max_seq_len
+    )
+    loader = build_loader(
+        info,
+        weights=None,
+        micro_batch=micro,
+        collator=col,
+        vocab_size=len(tok),
+        seed=0,
+        num_workers=workers,
+        num_canonical_nodes=1,
+        run_id="bench-loader",
+        pin_memory=False,
+    )
     try:
         it, n, t0 = iter(loader), 0, None
         for i in range(batches + 1):

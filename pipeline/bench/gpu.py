@@ -9,16 +9,24 @@ mlm and taco on packed shards, mlm (+NSP) and tacl on nsp shards. The variants a
 and keep their median. Targets: MLM MFU >= 45% (masked-only head, docs/objectives.md's FLOPs model),
 TaCL >= 0.7x MLM's tokens/s, TACO >= 0.95x. MFU is null where the device's peak is unknown (CPU).
 """
+
 from __future__ import annotations
 
 import argparse
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
-from pipeline.bench.common import (REPO, build_bench_shards, default_tokenizer, emit_json,
-                                   measure_side_by_side, write_ds_config)
+from pipeline.bench.common import (
+    REPO,
+    build_bench_shards,
+    default_tokenizer,
+    emit_json,
+    measure_side_by_side,
+    write_ds_config,
+)
 
 TARGETS = {"mlm_mfu": 0.45, "tacl_over_mlm_tokens": 0.70, "taco_over_mlm_tokens": 0.95}
 
@@ -47,25 +55,67 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ds = write_ds_config(work / "ds.json", base=Path(a.ds_config), micro=a.micro, torch_adam=a.torch_adam)
 
     def job(name: str, objective: str, data: Path) -> list[str]:
-        return ["--ds_config", str(ds), "--objective", objective, "--data", str(data), "--model_config", model,
-                "--max_steps", "100000", "--save_dir", str(work / "runs" / name), "--num_workers", str(a.num_workers),
-                "--warmup_steps", "10", "--progress_bar", "off"]
+        return [
+            "--ds_config",
+            str(ds),
+            "--objective",
+            objective,
+            "--data",
+            str(data),
+            "--model_config",
+            model,
+            "--max_steps",
+            "100000",
+            "--save_dir",
+            str(work / "runs" / name),
+            "--num_workers",
+            str(a.num_workers),
+            "--warmup_steps",
+            "10",
+            "--progress_bar",
+            "off",
+        ]
 
-    runs = measure_side_by_side({
-        "mlm_packed": job("mlm_packed", "mlm", shards["packed"]),
-        "taco": job("taco", "taco", shards["packed"]),
-        "mlm_nsp": job("mlm_nsp", "mlm", shards["nsp"]),
-        "tacl": job("tacl", "tacl", shards["nsp"]),
-    }, steps=a.steps, warmup=a.warmup, rounds=a.rounds)
+    runs = measure_side_by_side(
+        {
+            "mlm_packed": job("mlm_packed", "mlm", shards["packed"]),
+            "taco": job("taco", "taco", shards["packed"]),
+            "mlm_nsp": job("mlm_nsp", "mlm", shards["nsp"]),
+            "tacl": job("tacl", "tacl", shards["nsp"]),
+        },
+        steps=a.steps,
+        warmup=a.warmup,
+        rounds=a.rounds,
+    )
     tok = {k: v["tokens_per_s"] for k, v in runs.items()}
-    figures = {"mlm_mfu": runs["mlm_packed"]["mfu"], "tacl_over_mlm_tokens": tok["tacl"] / tok["mlm_nsp"],
-               "taco_over_mlm_tokens": tok["taco"] / tok["mlm_packed"]}
+    figures = {
+        "mlm_mfu": runs["mlm_packed"]["mfu"],
+        "tacl_over_mlm_tokens": tok["tacl"] / tok["mlm_nsp"],
+        "taco_over_mlm_tokens": tok["taco"] / tok["mlm_packed"],
+    }
     meets = {k: (v >= TARGETS[k]) if v is not None else None for k, v in figures.items()}
-    emit_json({"benchmark": "bench_gpu", "tiny": a.tiny,
-               "setup": {"model": model, "seq_len": seq_len, "micro_batch": a.micro, "steps_per_round": a.steps,
-                         "rounds": a.rounds, "warmup": a.warmup, "ds_config": a.ds_config, "torch_adam": a.torch_adam,
-                         "world_size": 1},
-               "runs": runs, "figures": figures, "targets": TARGETS, "meets_target": meets}, a.out)
+    emit_json(
+        {
+            "benchmark": "bench_gpu",
+            "tiny": a.tiny,
+            "setup": {
+                "model": model,
+                "seq_len": seq_len,
+                "micro_batch": a.micro,
+                "steps_per_round": a.steps,
+                "rounds": a.rounds,
+                "warmup": a.warmup,
+                "ds_config": a.ds_config,
+                "torch_adam": a.torch_adam,
+                "world_size": 1,
+            },
+            "runs": runs,
+            "figures": figures,
+            "targets": TARGETS,
+            "meets_target": meets,
+        },
+        a.out,
+    )
     return 0
 
 

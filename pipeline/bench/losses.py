@@ -12,6 +12,7 @@ cases), after a warm-up call. Peak memory: each case in a fresh process, after a
 rise of one call's peak over the memory held before it: on CPU the peak resident set (VmHWM, reset
 just before the call; Linux), on CUDA torch.cuda.max_memory_allocated. Set --threads to pin torch's CPU threads.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,17 +21,15 @@ import multiprocessing as mp
 import os
 import re
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import torch
-import torch.nn.functional as F
 
 from pipeline.data.masking import IGNORE_INDEX
 from pipeline.losses import TACO_POOL_SIZE, tacl_loss, taco_loss
-from pipeline.losses.reference import upstream_taco, upstream_tacl
+from pipeline.losses.reference import upstream_tacl, upstream_taco
 
 # Each case: (setup(args, device) -> state, step(args, state) -> None); setup builds the inputs
 # outside the measurement.
@@ -40,8 +39,14 @@ def _bert_config(args):
     from transformers import BertConfig
 
     if args.quick:
-        return BertConfig(vocab_size=1000, hidden_size=args.hidden, num_hidden_layers=2, num_attention_heads=2,
-                          intermediate_size=4 * args.hidden, max_position_embeddings=args.seq_len)
+        return BertConfig(
+            vocab_size=1000,
+            hidden_size=args.hidden,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=4 * args.hidden,
+            max_position_embeddings=args.seq_len,
+        )
     return BertConfig()  # BERT-base: 12 layers, 768 wide, 30522 tokens
 
 
@@ -67,13 +72,23 @@ def _tacl_inputs(args, device):
 def setup_taco(args, device):
     hidden, embeddings = _hidden_pair(args, device)
     attention = torch.ones(args.batch_size, args.seq_len, dtype=torch.long, device=device)
-    return dict(hidden=hidden, embeddings=embeddings, attention=attention,
-                generator=torch.Generator(device=device).manual_seed(0))
+    return dict(
+        hidden=hidden,
+        embeddings=embeddings,
+        attention=attention,
+        generator=torch.Generator(device=device).manual_seed(0),
+    )
 
 
 def step_taco(args, s):
-    loss, _ = taco_loss(s["hidden"], embeddings_BLD=s["embeddings"], attention_mask_BL=s["attention"],
-                        num_negatives=args.num_negatives, generator=s["generator"], pool_size=args.pool_size)
+    loss, _ = taco_loss(
+        s["hidden"],
+        embeddings_BLD=s["embeddings"],
+        attention_mask_BL=s["attention"],
+        num_negatives=args.num_negatives,
+        generator=s["generator"],
+        pool_size=args.pool_size,
+    )
     loss.backward()
 
 
@@ -87,8 +102,7 @@ def setup_tacl(args, device):
 
 
 def step_tacl(args, s):
-    loss, _ = tacl_loss(s["student"], teacher_BLD=s["teacher"], masked_BL=s["masked"],
-                        attention_mask_BL=s["attention"])
+    loss, _ = tacl_loss(s["student"], teacher_BLD=s["teacher"], masked_BL=s["masked"], attention_mask_BL=s["attention"])
     loss.backward()
 
 
@@ -105,8 +119,12 @@ def setup_bert(args, device):
     B, L = args.batch_size, args.seq_len
     input_ids = torch.randint(5, config.vocab_size, (B, L), generator=g)
     labels = torch.where(torch.rand(B, L, generator=g) < 0.15, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
-    return dict(model=model, input_ids=input_ids.to(device), labels=labels.to(device),
-                attention=torch.ones(B, L, dtype=torch.long, device=device))
+    return dict(
+        model=model,
+        input_ids=input_ids.to(device),
+        labels=labels.to(device),
+        attention=torch.ones(B, L, dtype=torch.long, device=device),
+    )
 
 
 def step_bert(args, s):
@@ -237,21 +255,25 @@ def main(argv=None):
     peaks = {name: peak_memory_mb(name, args) for name in names}
     results = time_cases(LOSS_CASES, args)
     if not args.skip_bert:
-        results.update(time_cases(["bert_base_mlm_step"], argparse.Namespace(**{**vars(args),
-                                                                               "repeats": args.bert_repeats})))
+        results.update(
+            time_cases(["bert_base_mlm_step"], argparse.Namespace(**{**vars(args), "repeats": args.bert_repeats}))
+        )
     for name in results:
         results[name]["peak_mb"] = peaks[name]
+
     def memory_ratio(upstream, ours):
         # Below ~1 MB the resident-set reading is page noise (--quick): no ratio.
         return upstream / ours if ours >= 1.0 else None
 
     summary = {
         "taco_speedup_vs_upstream": results["taco_upstream"]["time_s"] / results["taco_loss"]["time_s"],
-        "taco_memory_ratio_vs_upstream": memory_ratio(results["taco_upstream"]["peak_mb"],
-                                                      results["taco_loss"]["peak_mb"]),
+        "taco_memory_ratio_vs_upstream": memory_ratio(
+            results["taco_upstream"]["peak_mb"], results["taco_loss"]["peak_mb"]
+        ),
         "tacl_speedup_vs_upstream": results["tacl_upstream"]["time_s"] / results["tacl_loss"]["time_s"],
-        "tacl_memory_ratio_vs_upstream": memory_ratio(results["tacl_upstream"]["peak_mb"],
-                                                      results["tacl_loss"]["peak_mb"]),
+        "tacl_memory_ratio_vs_upstream": memory_ratio(
+            results["tacl_upstream"]["peak_mb"], results["tacl_loss"]["peak_mb"]
+        ),
     }
     if "bert_base_mlm_step" in results:
         bert = results["bert_base_mlm_step"]["time_s"]

@@ -14,16 +14,26 @@ each keeps its median round, so that a noisy machine disturbs them alike:
 - loader samples/s with one worker / the trainer's samples/s (target >= 5).
 --quick: L = 64, fewer steps (a smoke run; the ratios are noisy).
 """
+
 from __future__ import annotations
 
 import argparse
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
-from pipeline.bench.common import (REPO, build_bench_shards, default_tokenizer, emit_json, loader_samples_per_s,
-                                   measure_side_by_side, write_ds_config, write_model_config)
+from pipeline.bench.common import (
+    REPO,
+    build_bench_shards,
+    default_tokenizer,
+    emit_json,
+    loader_samples_per_s,
+    measure_side_by_side,
+    write_ds_config,
+    write_model_config,
+)
 
 TARGETS = {"tacl_over_mlm": 1.35, "taco_over_mlm": 1.05, "masked_over_full_head": 0.90, "loader_over_trainer": 5.0}
 
@@ -51,17 +61,40 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ds = write_ds_config(work / "ds.json", base=Path(a.ds_config), micro=a.micro)
 
     def job(name: str, objective: str, data: Path, *extra: str) -> list[str]:
-        return ["--ds_config", str(ds), "--objective", objective, "--data", str(data), "--model_config", str(model),
-                "--max_steps", "100000", "--save_dir", str(work / "runs" / name), "--num_workers", "1",
-                "--warmup_steps", "10", "--progress_bar", "off", *extra]
+        return [
+            "--ds_config",
+            str(ds),
+            "--objective",
+            objective,
+            "--data",
+            str(data),
+            "--model_config",
+            str(model),
+            "--max_steps",
+            "100000",
+            "--save_dir",
+            str(work / "runs" / name),
+            "--num_workers",
+            "1",
+            "--warmup_steps",
+            "10",
+            "--progress_bar",
+            "off",
+            *extra,
+        ]
 
-    runs = measure_side_by_side({
-        "mlm_nsp": job("mlm_nsp", "mlm", shards["nsp"]),
-        "tacl": job("tacl", "tacl", shards["nsp"]),
-        "mlm_packed": job("mlm_packed", "mlm", shards["packed"]),
-        "taco": job("taco", "taco", shards["packed"]),
-        "mlm_packed_full_head": job("mlm_full", "mlm", shards["packed"], "--mlm_head", "full"),
-    }, steps=a.steps, warmup=a.warmup, rounds=a.rounds)
+    runs = measure_side_by_side(
+        {
+            "mlm_nsp": job("mlm_nsp", "mlm", shards["nsp"]),
+            "tacl": job("tacl", "tacl", shards["nsp"]),
+            "mlm_packed": job("mlm_packed", "mlm", shards["packed"]),
+            "taco": job("taco", "taco", shards["packed"]),
+            "mlm_packed_full_head": job("mlm_full", "mlm", shards["packed"], "--mlm_head", "full"),
+        },
+        steps=a.steps,
+        warmup=a.warmup,
+        rounds=a.rounds,
+    )
     loader = loader_samples_per_s(shards["packed"], micro=a.micro, batches=20 if a.quick else 200, workers=1)
     st = {k: v["step_time_s"] for k, v in runs.items()}
     ratios = {
@@ -71,12 +104,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "loader_over_trainer": loader / runs["mlm_packed"]["samples_per_s"],
     }
     meets = {k: (v >= TARGETS[k]) if k == "loader_over_trainer" else (v <= TARGETS[k]) for k, v in ratios.items()}
-    emit_json({"benchmark": "bench_train", "quick": a.quick,
-               "setup": {"layers": 4, "hidden": 256, "vocab": 30522, "seq_len": a.seq_len, "micro_batch": a.micro,
-                         "steps_per_round": a.steps, "rounds": a.rounds, "warmup": a.warmup, "ds_config": a.ds_config,
-                         "world_size": 1},
-               "runs": runs, "loader_samples_per_s_1_worker": loader, "ratios": ratios, "targets": TARGETS,
-               "meets_target": meets}, a.out)
+    emit_json(
+        {
+            "benchmark": "bench_train",
+            "quick": a.quick,
+            "setup": {
+                "layers": 4,
+                "hidden": 256,
+                "vocab": 30522,
+                "seq_len": a.seq_len,
+                "micro_batch": a.micro,
+                "steps_per_round": a.steps,
+                "rounds": a.rounds,
+                "warmup": a.warmup,
+                "ds_config": a.ds_config,
+                "world_size": 1,
+            },
+            "runs": runs,
+            "loader_samples_per_s_1_worker": loader,
+            "ratios": ratios,
+            "targets": TARGETS,
+            "meets_target": meets,
+        },
+        a.out,
+    )
     return 0
 
 

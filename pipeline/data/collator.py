@@ -21,9 +21,11 @@ Out (torch tensors; the model's token rows are [B, L] flattened, or the T stream
 
 Legend: B sequences, L the longest sequence of the batch, T real tokens, N masked positions.
 """
+
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -41,8 +43,16 @@ class MaskingCollator:
     `padding`: "remove" (batches of unequal lengths become the unpadded layout) or "keep" (padded).
     """
 
-    def __init__(self, *, spec: MaskingSpec, pad_id: int, seed: int, nsp: bool, max_seq_len: Optional[int],
-                 padding: str = "remove") -> None:
+    def __init__(
+        self,
+        *,
+        spec: MaskingSpec,
+        pad_id: int,
+        seed: int,
+        nsp: bool,
+        max_seq_len: Optional[int],
+        padding: str = "remove",
+    ) -> None:
         assert padding in ("remove", "keep"), padding
         self.spec = spec
         self.pad_id = pad_id
@@ -62,10 +72,14 @@ class MaskingCollator:
         types_BL = pad_right([s["token_type_ids"] for s in samples], fill=0, length=L)
         real_BL = np.arange(L)[None, :] < lengths_B[:, None]
         starts_BL = pad_right([s["word_starts"] for s in samples], fill=1, length=L) if self.spec.whole_word else None
-        keys = SampleKeys(seed=self.seed, epoch_B=np.fromiter((int(s.get("epoch", 0)) for s in samples), np.int64, B),
-                          sample_id_B=np.fromiter((int(s["sample_id"]) for s in samples), np.int64, B))
-        masked_ids_BL, labels_BL = mask_batch(ids_BL, real_BL=real_BL, word_starts_BL=starts_BL, spec=self.spec,
-                                              replacement_pool=self.pool, keys=keys)
+        keys = SampleKeys(
+            seed=self.seed,
+            epoch_B=np.fromiter((int(s.get("epoch", 0)) for s in samples), np.int64, B),
+            sample_id_B=np.fromiter((int(s["sample_id"]) for s in samples), np.int64, B),
+        )
+        masked_ids_BL, labels_BL = mask_batch(
+            ids_BL, real_BL=real_BL, word_starts_BL=starts_BL, spec=self.spec, replacement_pool=self.pool, keys=keys
+        )
         chosen_BL = labels_BL >= 0
         layout = "packed" if bool((lengths_B == L).all()) else ("unpadded" if self.padding == "remove" else "padded")
         grid_index_T = np.flatnonzero(real_BL.ravel())
@@ -79,27 +93,36 @@ class MaskingCollator:
             "unmasked_grid_index": torch.from_numpy(np.flatnonzero((real_BL & ~chosen_BL).ravel())),
             "mlm_labels": torch.from_numpy(ids_BL.ravel()[masked_grid_N]),
             "sample_ids": torch.from_numpy(keys.sample_id_B.copy()),
-            "num_sequences": B, "num_tokens": int(lengths_B.sum()), "num_masked": len(masked_grid_N), "max_len": L,
-            "sum_len_sq": int((lengths_B ** 2).sum()),
+            "num_sequences": B,
+            "num_tokens": int(lengths_B.sum()),
+            "num_masked": len(masked_grid_N),
+            "max_len": L,
+            "sum_len_sq": int((lengths_B**2).sum()),
         }
         if layout == "unpadded":
             # The model's rows are the T real tokens; a masked token's row is its rank among them.
             row_of_grid = np.cumsum(real_BL.ravel()) - 1
-            batch.update({
-                "input_ids": torch.from_numpy(masked_ids_BL.ravel()[grid_index_T]),
-                "original_ids": torch.from_numpy(ids_BL.ravel()[grid_index_T]),
-                "token_type_ids": torch.from_numpy(types_BL.ravel()[grid_index_T].astype(np.int64)),
-                "position_ids": torch.from_numpy(np.broadcast_to(np.arange(L), (B, L)).ravel()[grid_index_T].copy()),
-                "cu_seqlens": torch.from_numpy(np.concatenate([[0], np.cumsum(lengths_B)]).astype(np.int32)),
-                "masked_index": torch.from_numpy(row_of_grid[masked_grid_N]),
-            })
+            batch.update(
+                {
+                    "input_ids": torch.from_numpy(masked_ids_BL.ravel()[grid_index_T]),
+                    "original_ids": torch.from_numpy(ids_BL.ravel()[grid_index_T]),
+                    "token_type_ids": torch.from_numpy(types_BL.ravel()[grid_index_T].astype(np.int64)),
+                    "position_ids": torch.from_numpy(
+                        np.broadcast_to(np.arange(L), (B, L)).ravel()[grid_index_T].copy()
+                    ),
+                    "cu_seqlens": torch.from_numpy(np.concatenate([[0], np.cumsum(lengths_B)]).astype(np.int32)),
+                    "masked_index": torch.from_numpy(row_of_grid[masked_grid_N]),
+                }
+            )
         else:
-            batch.update({
-                "input_ids": torch.from_numpy(masked_ids_BL),
-                "original_ids": torch.from_numpy(ids_BL),
-                "token_type_ids": torch.from_numpy(types_BL.astype(np.int64)),
-                "masked_index": batch["masked_grid_index"],
-            })
+            batch.update(
+                {
+                    "input_ids": torch.from_numpy(masked_ids_BL),
+                    "original_ids": torch.from_numpy(ids_BL),
+                    "token_type_ids": torch.from_numpy(types_BL.astype(np.int64)),
+                    "masked_index": batch["masked_grid_index"],
+                }
+            )
         if self.nsp:
             batch["nsp_labels"] = torch.tensor([int(s["nsp_label"]) for s in samples], dtype=torch.int64)
         return batch
@@ -110,9 +133,15 @@ def grid_inputs(batch: dict[str, Any], *, pad_id: int = 0) -> dict[str, torch.Te
     token_type_ids, attention_mask (padding at `pad_id`), on the batch's device."""
     mask_BL = batch["attention_mask"]
     if batch["layout"] != "unpadded":
-        return {"input_ids": batch["original_ids"], "token_type_ids": batch["token_type_ids"], "attention_mask": mask_BL}
+        return {
+            "input_ids": batch["original_ids"],
+            "token_type_ids": batch["token_type_ids"],
+            "attention_mask": mask_BL,
+        }
     B, L = mask_BL.shape
     index = batch["grid_index"]
-    ids = torch.full((B * L,), pad_id, dtype=torch.int64, device=mask_BL.device).index_copy(0, index, batch["original_ids"])
+    ids = torch.full((B * L,), pad_id, dtype=torch.int64, device=mask_BL.device).index_copy(
+        0, index, batch["original_ids"]
+    )
     types = torch.zeros(B * L, dtype=torch.int64, device=mask_BL.device).index_copy(0, index, batch["token_type_ids"])
     return {"input_ids": ids.view(B, L), "token_type_ids": types.view(B, L), "attention_mask": mask_BL}

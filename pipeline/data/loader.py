@@ -3,6 +3,7 @@ StreamingDataLoader around it, with per-node shared-memory prefixes and per-atte
 
 `build_loader` runs after the process group exists, as mosaicml-streaming requires.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -12,8 +13,9 @@ import shutil
 import signal
 import tempfile
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from pipeline import distributed
 from pipeline.data.collator import MaskingCollator
@@ -49,8 +51,10 @@ def _streaming_dataset_class():
             try:
                 sample = super().get_item(sample_id, retry)
             except Exception as e:
-                raise ShardError(f"corrupted shard {self._shard_name(sample_id)}: sample {sample_id} does not "
-                                 f"decode ({type(e).__name__}: {e}); rebuild the shards") from e
+                raise ShardError(
+                    f"corrupted shard {self._shard_name(sample_id)}: sample {sample_id} does not "
+                    f"decode ({type(e).__name__}: {e}); rebuild the shards"
+                ) from e
             ids = sample.get("input_ids")
             bad = None
             if ids is None or len(ids) < 2:
@@ -110,8 +114,10 @@ def _separate_colocated_nodes(key: str) -> Optional[list[Path]]:
     for turn in range(distributed.num_nodes()):
         if turn == node and leader and len(mine) > 1:
             prefix = 0
-            while (any(Path(f"/dev/shm/{prefix:06}_{name}").exists() for name in SHM_TO_CLEAN)
-                   or (folder(node) / f"{prefix:06}_{BARRIER_FILELOCK}").exists()):
+            while (
+                any(Path(f"/dev/shm/{prefix:06}_{name}").exists() for name in SHM_TO_CLEAN)
+                or (folder(node) / f"{prefix:06}_{BARRIER_FILELOCK}").exists()
+            ):
                 prefix += 1
             for other in mine:
                 if other != node:
@@ -182,16 +188,26 @@ def build_loader(
         for s, local, w in zip(info.sources, locals_, weights or [None] * len(info.sources))
     ]
     dataset = _streaming_dataset_class()(
-        streams=streams, vocab_size=vocab_size, batch_size=micro_batch, shuffle=True, shuffle_seed=seed,
+        streams=streams,
+        vocab_size=vocab_size,
+        batch_size=micro_batch,
+        shuffle=True,
+        shuffle_seed=seed,
         num_canonical_nodes=num_canonical_nodes,
     )
     for m in markers or []:
         # Only the prefix search needed them; streaming's own lock files are not among them.
         m.unlink(missing_ok=True)
     loader = StreamingDataLoader(
-        dataset, batch_size=micro_batch, collate_fn=collator, num_workers=num_workers,
-        worker_init_fn=_worker_init if num_workers else None, pin_memory=pin_memory,
-        persistent_workers=num_workers > 0, drop_last=False, timeout=timeout_s if num_workers else 0,
+        dataset,
+        batch_size=micro_batch,
+        collate_fn=collator,
+        num_workers=num_workers,
+        worker_init_fn=_worker_init if num_workers else None,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+        drop_last=False,
+        timeout=timeout_s if num_workers else 0,
     )
     # Workers ignore SIGTERM (see _worker_init), so multiprocessing's exit hook, which terminates and
     # then joins them, would wait forever: stop them first (atexit runs the later hook first).
@@ -207,4 +223,3 @@ def shutdown_loader(loader: Any) -> None:
     if it is not None:
         it._shutdown_workers()  # what StreamingDataLoader.__del__ calls
         loader._iterator = None
-

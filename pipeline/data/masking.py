@@ -16,6 +16,7 @@ of one; they also take a numpy Generator.
 
 Legend: B sequences, L positions (the batch's longest), W word slots per sequence (W <= L).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,8 +47,10 @@ class MaskingSpec:
         """The ids a '10% random' position may become: every non-special id."""
         pool = np.setdiff1d(np.arange(self.vocab_size, dtype=np.int64), np.asarray(self.special_ids, np.int64))
         if len(pool) == 0:
-            raise UsageError(f"vocabulary of {self.vocab_size} ids holds only special tokens: nothing to replace a "
-                             f"masked token with; use a real tokenizer")
+            raise UsageError(
+                f"vocabulary of {self.vocab_size} ids holds only special tokens: nothing to replace a "
+                f"masked token with; use a real tokenizer"
+            )
         return pool
 
 
@@ -70,8 +73,9 @@ class SampleKeys:
         """[B, width] float64 in [0, 1): the draws of `stream` at positions 0..width-1 of each row."""
         with np.errstate(over="ignore"):
             seed = _mix(np.asarray([self.seed], dtype=np.int64).astype(_U64) + _GOLDEN)
-            row = _mix(_mix(seed ^ self.epoch_B.astype(np.int64).astype(_U64)) ^ self.sample_id_B.astype(np.int64)
-                       .astype(_U64))
+            row = _mix(
+                _mix(seed ^ self.epoch_B.astype(np.int64).astype(_U64)) ^ self.sample_id_B.astype(np.int64).astype(_U64)
+            )
             col = _mix((np.arange(width, dtype=_U64) + _U64(1)) * _GOLDEN + _U64(stream) * _U64(0xD1B54A32D192ED03))
             bits = _mix(row[:, None] ^ col[None, :])
         return (bits >> _U64(11)).astype(np.float64) * (1.0 / (1 << 53))
@@ -102,8 +106,9 @@ def budgets(maskable_BL: np.ndarray, mask_prob: float) -> np.ndarray:
     return np.where(n_B > 0, np.maximum(1, np.round(mask_prob * n_B)), 0).astype(np.int64)
 
 
-def choose_batch(maskable_BL: np.ndarray, *, word_starts_BL: np.ndarray | None, mask_prob: float,
-                 u_BL: np.ndarray) -> np.ndarray:
+def choose_batch(
+    maskable_BL: np.ndarray, *, word_starts_BL: np.ndarray | None, mask_prob: float, u_BL: np.ndarray
+) -> np.ndarray:
     """Bool [B, L]: the positions to predict, from one uniform per position (u_BL).
 
     Token level (word_starts_BL None): the budget's lowest-u maskable positions of each row. Whole-word:
@@ -138,53 +143,96 @@ def choose_batch(maskable_BL: np.ndarray, *, word_starts_BL: np.ndarray | None, 
     return np.take_along_axis(take_BW, word_BL, axis=1) & maskable_BL
 
 
-def apply_batch(input_ids_BL: np.ndarray, chosen_BL: np.ndarray, *, mask_token_id: int,
-                replacement_pool: np.ndarray, u_action_BL: np.ndarray, u_replace_BL: np.ndarray
-                ) -> tuple[np.ndarray, np.ndarray]:
+def apply_batch(
+    input_ids_BL: np.ndarray,
+    chosen_BL: np.ndarray,
+    *,
+    mask_token_id: int,
+    replacement_pool: np.ndarray,
+    u_action_BL: np.ndarray,
+    u_replace_BL: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
     """80/10/10 on the chosen positions. Returns (masked_ids_BL int64, labels_BL int64: the original id
     where chosen, IGNORE_INDEX elsewhere)."""
     ids_BL = input_ids_BL.astype(np.int64, copy=False)
     labels_BL = np.where(chosen_BL, ids_BL, IGNORE_INDEX)
-    random_BL = replacement_pool[np.minimum((u_replace_BL * len(replacement_pool)).astype(np.int64),
-                                            len(replacement_pool) - 1)]
-    masked_BL = np.where(chosen_BL & (u_action_BL < 0.8), mask_token_id,
-                         np.where(chosen_BL & (u_action_BL < 0.9), random_BL, ids_BL))
+    random_BL = replacement_pool[
+        np.minimum((u_replace_BL * len(replacement_pool)).astype(np.int64), len(replacement_pool) - 1)
+    ]
+    masked_BL = np.where(
+        chosen_BL & (u_action_BL < 0.8), mask_token_id, np.where(chosen_BL & (u_action_BL < 0.9), random_BL, ids_BL)
+    )
     return masked_BL, labels_BL
 
 
-def mask_batch(input_ids_BL: np.ndarray, *, real_BL: np.ndarray, word_starts_BL: np.ndarray | None,
-               spec: MaskingSpec, replacement_pool: np.ndarray, keys: SampleKeys) -> tuple[np.ndarray, np.ndarray]:
+def mask_batch(
+    input_ids_BL: np.ndarray,
+    *,
+    real_BL: np.ndarray,
+    word_starts_BL: np.ndarray | None,
+    spec: MaskingSpec,
+    replacement_pool: np.ndarray,
+    keys: SampleKeys,
+) -> tuple[np.ndarray, np.ndarray]:
     """Choose and mask a padded batch (real_BL: True at real tokens). Returns (masked_ids_BL, labels_BL)."""
     shape = input_ids_BL.shape
     maskable_BL = maskable_positions(input_ids_BL, special_ids=np.asarray(spec.special_ids)) & real_BL
-    chosen_BL = choose_batch(maskable_BL, word_starts_BL=word_starts_BL if spec.whole_word else None,
-                             mask_prob=spec.mask_prob, u_BL=_uniforms(keys, _CHOOSE, shape))
-    return apply_batch(input_ids_BL, chosen_BL, mask_token_id=spec.mask_token_id, replacement_pool=replacement_pool,
-                       u_action_BL=_uniforms(keys, _ACTION, shape), u_replace_BL=_uniforms(keys, _REPLACE, shape))
+    chosen_BL = choose_batch(
+        maskable_BL,
+        word_starts_BL=word_starts_BL if spec.whole_word else None,
+        mask_prob=spec.mask_prob,
+        u_BL=_uniforms(keys, _CHOOSE, shape),
+    )
+    return apply_batch(
+        input_ids_BL,
+        chosen_BL,
+        mask_token_id=spec.mask_token_id,
+        replacement_pool=replacement_pool,
+        u_action_BL=_uniforms(keys, _ACTION, shape),
+        u_replace_BL=_uniforms(keys, _REPLACE, shape),
+    )
 
 
-def choose_positions(maskable_L: np.ndarray, *, word_starts_L: np.ndarray | None, mask_prob: float,
-                     rng: Draws) -> np.ndarray:
+def choose_positions(
+    maskable_L: np.ndarray, *, word_starts_L: np.ndarray | None, mask_prob: float, rng: Draws
+) -> np.ndarray:
     """Bool [L]: the positions to predict of one sequence (`choose_batch` on a batch of one)."""
-    return choose_batch(maskable_L[None], word_starts_BL=None if word_starts_L is None else word_starts_L[None],
-                        mask_prob=mask_prob, u_BL=_uniforms(rng, _CHOOSE, (1, len(maskable_L))))[0]
+    return choose_batch(
+        maskable_L[None],
+        word_starts_BL=None if word_starts_L is None else word_starts_L[None],
+        mask_prob=mask_prob,
+        u_BL=_uniforms(rng, _CHOOSE, (1, len(maskable_L))),
+    )[0]
 
 
-def apply_mask(input_ids_L: np.ndarray, chosen_L: np.ndarray, *, mask_token_id: int, replacement_pool: np.ndarray,
-               rng: Draws) -> tuple[np.ndarray, np.ndarray]:
+def apply_mask(
+    input_ids_L: np.ndarray, chosen_L: np.ndarray, *, mask_token_id: int, replacement_pool: np.ndarray, rng: Draws
+) -> tuple[np.ndarray, np.ndarray]:
     """80/10/10 on one sequence's chosen positions. Returns (masked_ids_L, labels_L with IGNORE_INDEX)."""
     shape = (1, len(input_ids_L))
-    masked, labels = apply_batch(np.asarray(input_ids_L)[None], chosen_L[None], mask_token_id=mask_token_id,
-                                 replacement_pool=replacement_pool, u_action_BL=_uniforms(rng, _ACTION, shape),
-                                 u_replace_BL=_uniforms(rng, _REPLACE, shape))
+    masked, labels = apply_batch(
+        np.asarray(input_ids_L)[None],
+        chosen_L[None],
+        mask_token_id=mask_token_id,
+        replacement_pool=replacement_pool,
+        u_action_BL=_uniforms(rng, _ACTION, shape),
+        u_replace_BL=_uniforms(rng, _REPLACE, shape),
+    )
     return masked[0], labels[0]
 
 
-def mask_sequence(input_ids_L: np.ndarray, *, word_starts_L: np.ndarray | None, spec: MaskingSpec,
-                  replacement_pool: np.ndarray, rng: Draws) -> tuple[np.ndarray, np.ndarray]:
+def mask_sequence(
+    input_ids_L: np.ndarray,
+    *,
+    word_starts_L: np.ndarray | None,
+    spec: MaskingSpec,
+    replacement_pool: np.ndarray,
+    rng: Draws,
+) -> tuple[np.ndarray, np.ndarray]:
     """Choose and mask one sequence. Returns (masked_ids_L int64, labels_L int64 with -100)."""
     ids = np.asarray(input_ids_L)
     maskable_L = maskable_positions(ids, special_ids=np.asarray(spec.special_ids))
-    chosen_L = choose_positions(maskable_L, word_starts_L=word_starts_L if spec.whole_word else None,
-                                mask_prob=spec.mask_prob, rng=rng)
+    chosen_L = choose_positions(
+        maskable_L, word_starts_L=word_starts_L if spec.whole_word else None, mask_prob=spec.mask_prob, rng=rng
+    )
     return apply_mask(ids, chosen_L, mask_token_id=spec.mask_token_id, replacement_pool=replacement_pool, rng=rng)

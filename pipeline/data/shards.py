@@ -4,6 +4,7 @@
 missing, empty, mixed-format or corrupted dataset fails before any process group or device work.
 The folder layout and columns are the builder's contract, preprocessing.shard_format.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -11,9 +12,10 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
@@ -84,7 +86,7 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ShardError(f"{path}: cannot read the {what} ({e}); rebuild the shards")
+        raise ShardError(f"{path}: cannot read the {what} ({e}); rebuild the shards") from e
 
 
 def check_shard_file(folder: Path, shard: dict[str, Any]) -> None:
@@ -97,14 +99,17 @@ def check_shard_file(folder: Path, shard: dict[str, Any]) -> None:
         if zipped and (folder / zipped["basename"]).exists():
             zip_path = folder / zipped["basename"]
             if zip_path.stat().st_size != zipped.get("bytes"):
-                raise ShardError(f"corrupted shard {zip_path}: {zip_path.stat().st_size} bytes, the index says "
-                                 f"{zipped.get('bytes')}; rebuild the shards")
+                raise ShardError(
+                    f"corrupted shard {zip_path}: {zip_path.stat().st_size} bytes, the index says "
+                    f"{zipped.get('bytes')}; rebuild the shards"
+                )
             return
         raise ShardError(f"missing shard {raw_path} (listed in {folder / 'index.json'}); rebuild the shards")
     size = raw_path.stat().st_size
     if size != raw.get("bytes"):
-        raise ShardError(f"corrupted shard {raw_path}: {size} bytes, the index says {raw.get('bytes')}; "
-                         f"rebuild the shards")
+        raise ShardError(
+            f"corrupted shard {raw_path}: {size} bytes, the index says {raw.get('bytes')}; rebuild the shards"
+        )
     if shard.get("format", "mds") != "mds":
         return
     n = int(shard["samples"])
@@ -115,8 +120,10 @@ def check_shard_file(folder: Path, shard: dict[str, Any]) -> None:
     count = int(np.frombuffer(head[:4], np.uint32)[0])
     offsets = np.frombuffer(head[4:], np.uint32)
     if count != n or offsets[0] < 4 * (n + 2) or offsets[-1] != size or np.any(np.diff(offsets.astype(np.int64)) <= 0):
-        raise ShardError(f"corrupted shard {raw_path}: its header does not match the index ({n} samples, "
-                         f"{raw.get('bytes')} bytes); rebuild the shards")
+        raise ShardError(
+            f"corrupted shard {raw_path}: its header does not match the index ({n} samples, "
+            f"{raw.get('bytes')} bytes); rebuild the shards"
+        )
 
 
 def _inspect_one(path: str, *, i: int, cache_root: str, verify_files: bool) -> SourceInfo:
@@ -127,8 +134,9 @@ def _inspect_one(path: str, *, i: int, cache_root: str, verify_files: bool) -> S
             raise UsageError(f"--data {path}: no such folder; build shards with preprocessing/build_shards.py")
         index_path = folder / "index.json"
         if not index_path.is_file():
-            raise UsageError(f"--data {path}: no index.json in it; is it a shard folder written by "
-                             f"preprocessing/build_shards.py?")
+            raise UsageError(
+                f"--data {path}: no index.json in it; is it a shard folder written by preprocessing/build_shards.py?"
+            )
         local = str(folder)
         manifest_path = folder / "build_manifest.json"
     else:
@@ -139,8 +147,9 @@ def _inspect_one(path: str, *, i: int, cache_root: str, verify_files: bool) -> S
         manifest_path = Path(local) / "build_manifest.json"
         # The index, the manifest and the builder's tokenizer folder (small files). Per-rank
         # temporary names: several ranks of a node may fetch them at once.
-        wanted = [("index.json", True), ("build_manifest.json", False)] + \
-            [(f"tokenizer/{f}", False) for f in TOKENIZER_FILES]
+        wanted = [("index.json", True), ("build_manifest.json", False)] + [
+            (f"tokenizer/{f}", False) for f in TOKENIZER_FILES
+        ]
         for name, needed in wanted:
             dest = Path(local) / name
             if dest.exists():
@@ -153,7 +162,7 @@ def _inspect_one(path: str, *, i: int, cache_root: str, verify_files: bool) -> S
             except Exception as e:  # the cloud clients raise many types
                 tmp.unlink(missing_ok=True)
                 if needed:
-                    raise UsageError(f"--data {path}: cannot fetch {name} ({type(e).__name__}: {e})")
+                    raise UsageError(f"--data {path}: cannot fetch {name} ({type(e).__name__}: {e})") from e
         if not any((Path(local) / "tokenizer" / f).exists() for f in ("tokenizer.json", "vocab.txt")):
             shutil.rmtree(Path(local) / "tokenizer", ignore_errors=True)
     index = _read_json(index_path, "shard index")
@@ -162,31 +171,48 @@ def _inspect_one(path: str, *, i: int, cache_root: str, verify_files: bool) -> S
         raise ShardError(f"{index_path}: no 'shards' list; rebuild the shards")
     samples = sum(int(s.get("samples", 0)) for s in shards)
     if not shards or samples == 0:
-        raise UsageError(f"--data {path}: the index lists no samples ({len(shards)} shard(s)); the build "
-                         f"produced nothing (see its rejects.jsonl and build_manifest.json)")
+        raise UsageError(
+            f"--data {path}: the index lists no samples ({len(shards)} shard(s)); the build "
+            f"produced nothing (see its rejects.jsonl and build_manifest.json)"
+        )
     columns = list(shards[0].get("column_names", []))
     for s in shards:
         if list(s.get("column_names", [])) != columns:
-            raise ShardError(f"{index_path}: shard {s.get('raw_data', {}).get('basename')} has columns "
-                             f"{s.get('column_names')}, the first shard {columns}; rebuild the shards")
+            raise ShardError(
+                f"{index_path}: shard {s.get('raw_data', {}).get('basename')} has columns "
+                f"{s.get('column_names')}, the first shard {columns}; rebuild the shards"
+            )
     missing = [c for c in REQUIRED_COLUMNS if c not in columns]
     if missing:
-        raise UsageError(f"--data {path}: samples lack column(s) {missing} (have {columns}); build them with "
-                         f"preprocessing/build_shards.py")
+        raise UsageError(
+            f"--data {path}: samples lack column(s) {missing} (have {columns}); build them with "
+            f"preprocessing/build_shards.py"
+        )
     fmt = "nsp" if "nsp_label" in columns else "packed"
     if remote is None and verify_files:
         for s in shards:
             check_shard_file(Path(local), s)
     manifest = _read_json(manifest_path, "build manifest") if manifest_path.is_file() else None
     if manifest is not None and manifest.get("status", "complete") != "complete":
-        raise UsageError(f"--data {path}: its build did not finish (build_manifest.json status "
-                         f"{manifest.get('status')!r}); finish it with build_shards.py --resume")
-    return SourceInfo(path=path, remote=remote, local=local, format=fmt, samples=samples, shards=len(shards),
-                      columns=columns, manifest=manifest)
+        raise UsageError(
+            f"--data {path}: its build did not finish (build_manifest.json status "
+            f"{manifest.get('status')!r}); finish it with build_shards.py --resume"
+        )
+    return SourceInfo(
+        path=path,
+        remote=remote,
+        local=local,
+        format=fmt,
+        samples=samples,
+        shards=len(shards),
+        columns=columns,
+        manifest=manifest,
+    )
 
 
-def inspect_data(paths: Sequence[str], *, cache_root: str, max_seq_len: Optional[int] = None,
-                 verify_files: bool = True) -> DataInfo:
+def inspect_data(
+    paths: Sequence[str], *, cache_root: str, max_seq_len: Optional[int] = None, verify_files: bool = True
+) -> DataInfo:
     """Read every --data index (and local shard headers) and agree on one format and length.
 
     Raises ValueError (ShardError for corrupted shards) naming the folder/shard: missing folder or
@@ -201,26 +227,41 @@ def inspect_data(paths: Sequence[str], *, cache_root: str, max_seq_len: Optional
     if len(formats) > 1:
         listing = ", ".join(f"{s.path} ({s.format})" for s in sources)
         raise UsageError(f"--data mixes shard formats: {listing}; build all of them with the same --format")
-    lengths = {int(s.manifest["config"]["max_seq_len"]) for s in sources
-               if s.manifest and "max_seq_len" in s.manifest.get("config", {})}
+    lengths = {
+        int(s.manifest["config"]["max_seq_len"])
+        for s in sources
+        if s.manifest and "max_seq_len" in s.manifest.get("config", {})
+    }
     if len(lengths) > 1:
         raise UsageError(f"--data folders were built with different --max_seq_len: {sorted(lengths)}")
     data_len = lengths.pop() if lengths else None
     if max_seq_len is not None and data_len is not None and max_seq_len != data_len:
-        raise UsageError(f"--max_seq_len {max_seq_len} differs from the shards' {data_len} "
-                         f"(build_manifest.json); drop the flag, the shards decide")
-    vocab_sizes = {int(s.manifest["tokenizer"]["vocab_size"]) for s in sources
-                   if s.manifest and "vocab_size" in s.manifest.get("tokenizer", {})}
+        raise UsageError(
+            f"--max_seq_len {max_seq_len} differs from the shards' {data_len} "
+            f"(build_manifest.json); drop the flag, the shards decide"
+        )
+    vocab_sizes = {
+        int(s.manifest["tokenizer"]["vocab_size"])
+        for s in sources
+        if s.manifest and "vocab_size" in s.manifest.get("tokenizer", {})
+    }
     if len(vocab_sizes) > 1:
-        raise UsageError(f"--data folders were tokenized with different vocabularies (sizes {sorted(vocab_sizes)}); "
-                         f"use one tokenizer for all")
+        raise UsageError(
+            f"--data folders were tokenized with different vocabularies (sizes {sorted(vocab_sizes)}); "
+            f"use one tokenizer for all"
+        )
     tok_dir = None
     for s in sources:
         if (Path(s.local) / "tokenizer").is_dir():
             tok_dir = str(Path(s.local) / "tokenizer")
             break
-    return DataInfo(sources=sources, format=formats.pop(), max_seq_len=data_len if data_len else max_seq_len,
-                    tokenizer_dir=tok_dir, manifest_vocab_size=vocab_sizes.pop() if vocab_sizes else None)
+    return DataInfo(
+        sources=sources,
+        format=formats.pop(),
+        max_seq_len=data_len if data_len else max_seq_len,
+        tokenizer_dir=tok_dir,
+        manifest_vocab_size=vocab_sizes.pop() if vocab_sizes else None,
+    )
 
 
 def check_objective_against_data(objective: str, *, nsp: str, fmt: str, paths: Sequence[str]) -> bool:
@@ -231,11 +272,15 @@ def check_objective_against_data(objective: str, *, nsp: str, fmt: str, paths: S
     """
     where = ", ".join(paths)
     if objective == "tacl" and fmt != "nsp" and nsp != "off":
-        raise UsageError(f"--objective tacl trains on NSP pairs, but --data {where} holds {fmt} shards: build "
-                         f"them with --format nsp, or pass --nsp off to run TaCL without NSP")
+        raise UsageError(
+            f"--objective tacl trains on NSP pairs, but --data {where} holds {fmt} shards: build "
+            f"them with --format nsp, or pass --nsp off to run TaCL without NSP"
+        )
     if objective == "taco" and fmt != "packed":
-        raise UsageError(f"--objective taco trains on packed blocks, but --data {where} holds {fmt} shards: "
-                         f"build them with --format packed")
+        raise UsageError(
+            f"--objective taco trains on packed blocks, but --data {where} holds {fmt} shards: "
+            f"build them with --format packed"
+        )
     if nsp == "on" and fmt != "nsp":
         raise UsageError(f"--nsp on needs nsp shards, but --data {where} holds {fmt} shards")
     return fmt == "nsp" and nsp != "off"

@@ -1,5 +1,6 @@
 """What the evaluation commands share: `--model [LABEL=]DIR` arguments and the device choice
 (pipeline/analyze.py and pipeline/finetune.py)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +9,7 @@ import torch
 
 
 def parse_model(arg: str) -> tuple[str, Path]:
-    """"DIR" -> (folder name, DIR); "LABEL=DIR" -> (LABEL, DIR) unless the whole string is a path."""
+    """ "DIR" -> (folder name, DIR); "LABEL=DIR" -> (LABEL, DIR) unless the whole string is a path."""
     if "=" in arg and not Path(arg).exists():
         label, path = arg.split("=", 1)
         if label and "/" not in label:

@@ -14,6 +14,7 @@ Writes OUT/report/ (metrics.json, PNGs, README.md) and OUT/reproduction.json wit
 verdict per check; the verdicts are reported, not enforced (exit 0 either way), because at this scale a
 direction may honestly fail to show.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,6 +37,7 @@ GAP_RUN = "taco"  # the run whose checkpoints give the intra/inter gap over trai
 @dataclass
 class MiniConfig:
     """The settings of the miniature; the defaults are the README's numbers."""
+
     out: Optional[Path] = knob(None, "output folder", parse=Path, required=True)
     corpora: Path = knob(REPO.parent / "shared" / "corpora", "folder with en/enwiki_wikiextractor.txt", parse=Path)
     steps: int = knob(200, "pre-training steps of each run")
@@ -89,7 +91,7 @@ def prepare_text(cfg: MiniConfig) -> tuple[Path, Path]:
     train = data / "train.txt"
     train.write_text("".join("\n".join(d) + "\n\n" for d in docs[: cfg.train_docs]), encoding="utf-8")
     held_out = []
-    for doc in docs[-cfg.analysis_docs:]:
+    for doc in docs[-cfg.analysis_docs :]:
         sentences = [s for line in doc for s in split_sentences(line, "en")]
         held_out.append("\n".join(sentences) + "\n\n")
     analysis = data / "analysis.txt"
@@ -109,22 +111,48 @@ def _run(cmd: list[str], *, log: Path, env: dict) -> None:
 
 def build_shards(cfg: MiniConfig, train_txt: Path, env: dict) -> Path:
     shards = cfg.out / "shards"
-    _run([sys.executable, str(REPO / "preprocessing" / "build_shards.py"), "--input", f"en:{train_txt}",
-          "--output", str(shards), "--tokenizer", str(minilm_dir()), "--format", "packed",
-          "--max_seq_len", str(cfg.max_seq_len), "--num_workers", "1", "--seed", str(cfg.seed), "--overwrite"],
-         log=cfg.out / "build_shards.log", env=env)
+    _run(
+        [
+            sys.executable,
+            str(REPO / "preprocessing" / "build_shards.py"),
+            "--input",
+            f"en:{train_txt}",
+            "--output",
+            str(shards),
+            "--tokenizer",
+            str(minilm_dir()),
+            "--format",
+            "packed",
+            "--max_seq_len",
+            str(cfg.max_seq_len),
+            "--num_workers",
+            "1",
+            "--seed",
+            str(cfg.seed),
+            "--overwrite",
+        ],
+        log=cfg.out / "build_shards.log",
+        env=env,
+    )
     return shards
 
 
 def ds_config(cfg: MiniConfig) -> Path:
     """fp32 on CPU (bf16 matmuls are slow on CPUs without AMX), AdamW, linear warm-up and decay."""
     path = cfg.out / "ds_config.json"
-    path.write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": cfg.micro_batch, "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0, "zero_optimization": {"stage": 2},
-        "optimizer": {"type": "AdamW", "params": {"weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-6}},
-        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_type": "linear"}},
-    }, indent=1))
+    path.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": cfg.micro_batch,
+                "gradient_accumulation_steps": 1,
+                "gradient_clipping": 1.0,
+                "zero_optimization": {"stage": 2},
+                "optimizer": {"type": "AdamW", "params": {"weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-6}},
+                "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_type": "linear"}},
+            },
+            indent=1,
+        )
+    )
     return path
 
 
@@ -134,13 +162,47 @@ def train(cfg: MiniConfig, objective: str, *, shards: Path, ds: Path, env: dict)
     # Checkpoints cost seconds each on CPU: only the run whose gap is plotted over training keeps several.
     save_every = cfg.save_every if objective == GAP_RUN else cfg.steps
     # torchrun --standalone: one process, a free rendezvous port, the environment the trainer expects.
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-          str(REPO / "pipeline" / "train.py"), "--ds_config", str(ds), "--objective", objective,
-          "--data", str(shards), "--init_from", str(minilm_dir()), "--max_steps", str(cfg.steps),
-          "--lr", str(cfg.lr), "--warmup_steps", str(cfg.warmup_steps), "--nsp", "off", "--seed", str(cfg.seed),
-          "--save_dir", str(run), "--export_dir", str(export), "--save_every", str(save_every),
-          "--keep_checkpoints", str(cfg.steps // save_every + 1), "--num_workers", str(cfg.num_workers)],
-         log=cfg.out / f"train_{objective}.log", env=env)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "1",
+            str(REPO / "pipeline" / "train.py"),
+            "--ds_config",
+            str(ds),
+            "--objective",
+            objective,
+            "--data",
+            str(shards),
+            "--init_from",
+            str(minilm_dir()),
+            "--max_steps",
+            str(cfg.steps),
+            "--lr",
+            str(cfg.lr),
+            "--warmup_steps",
+            str(cfg.warmup_steps),
+            "--nsp",
+            "off",
+            "--seed",
+            str(cfg.seed),
+            "--save_dir",
+            str(run),
+            "--export_dir",
+            str(export),
+            "--save_every",
+            str(save_every),
+            "--keep_checkpoints",
+            str(cfg.steps // save_every + 1),
+            "--num_workers",
+            str(cfg.num_workers),
+        ],
+        log=cfg.out / f"train_{objective}.log",
+        env=env,
+    )
     return run, export
 
 
@@ -152,8 +214,10 @@ def verdict(metrics: dict) -> dict:
         "tacl_intra_sentence_below_mlm": (last["tacl"]["intra_sentence"], "<", last["mlm"]["intra_sentence"]),
         "taco_gap_above_mlm": (last["taco"]["gap"], ">", last["mlm"]["gap"]),
     }
-    return {name: {"value": a, "op": op, "reference": b, "holds": a < b if op == "<" else a > b}
-            for name, (a, op, b) in checks.items()}
+    return {
+        name: {"value": a, "op": op, "reference": b, "holds": a < b if op == "<" else a > b}
+        for name, (a, op, b) in checks.items()
+    }
 
 
 def reproduce(cfg: MiniConfig) -> dict:
@@ -162,8 +226,13 @@ def reproduce(cfg: MiniConfig) -> dict:
 
     t0 = time.time()
     cfg.out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
     train_txt, analysis_txt = prepare_text(cfg)
     shards = build_shards(cfg, train_txt, env)
     ds = ds_config(cfg)
@@ -174,13 +243,27 @@ def reproduce(cfg: MiniConfig) -> dict:
         _, exports[objective] = train(cfg, objective, shards=shards, ds=ds, env=env)
         timings[f"train_{objective}_s"] = round(time.time() - t, 1)
     t = time.time()
-    metrics = run_analysis(AnalyzeConfig(
-        models=[("start", minilm_dir()), *((o, exports[o]) for o in ("mlm", "tacl", "taco"))],
-        data=analysis_txt, out=cfg.out / "report", run=cfg.out / "runs" / GAP_RUN, run_start=minilm_dir(), pack_text=True,
-        max_seq_len=128, max_sequences=cfg.analysis_sequences, seed=cfg.seed, device="cpu"))
+    metrics = run_analysis(
+        AnalyzeConfig(
+            models=[("start", minilm_dir()), *((o, exports[o]) for o in ("mlm", "tacl", "taco"))],
+            data=analysis_txt,
+            out=cfg.out / "report",
+            run=cfg.out / "runs" / GAP_RUN,
+            run_start=minilm_dir(),
+            pack_text=True,
+            max_seq_len=128,
+            max_sequences=cfg.analysis_sequences,
+            seed=cfg.seed,
+            device="cpu",
+        )
+    )
     timings["analysis_s"] = round(time.time() - t, 1)
-    result = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
-              "last_layer": {label: m["last_layer"] for label, m in metrics["models"].items()},
-              "checks": verdict(metrics), "timings": timings, "wall_s": round(time.time() - t0, 1)}
+    result = {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+        "last_layer": {label: m["last_layer"] for label, m in metrics["models"].items()},
+        "checks": verdict(metrics),
+        "timings": timings,
+        "wall_s": round(time.time() - t0, 1),
+    }
     (cfg.out / "reproduction.json").write_text(json.dumps(result, indent=1))
     return result

@@ -11,6 +11,7 @@ metrics are the global values, the same on every rank.
 
 Legend: B sequences, L positions, D hidden size, N anchors (this rank), C logits per anchor, R ranks.
 """
+
 from __future__ import annotations
 
 import math
@@ -57,12 +58,14 @@ def share_across_ranks(
     world_size = distributed.world_size(group)
     # where(), not a multiply: a skipped anchor's loss may be inf, and inf * 0 is NaN.
     loss_N = torch.where(valid_N, loss_N, torch.zeros_like(loss_N))
-    local = torch.stack([
-        loss_N.detach().sum().double(),
-        (correct_N & valid_N).sum().double(),
-        valid_N.sum().double(),
-        (skipped if skipped is not None else loss_N.new_zeros(())).double(),
-    ])
+    local = torch.stack(
+        [
+            loss_N.detach().sum().double(),
+            (correct_N & valid_N).sum().double(),
+            valid_N.sum().double(),
+            (skipped if skipped is not None else loss_N.new_zeros(())).double(),
+        ]
+    )
     loss_sum, correct, count, skipped_all = distributed.sum_over_ranks(local, group=group)
     denominator = count.clamp_min(1)
     # The anchor count is data, not a function of the parameters: a constant for autograd.
@@ -79,8 +82,9 @@ def share_across_ranks(
     return loss, metrics
 
 
-def gather_bytes_per_call(*, world_size: int, tokens_per_rank: int, hidden_size: int, itemsize: int,
-                          pool_size: int) -> int:
+def gather_bytes_per_call(
+    *, world_size: int, tokens_per_rank: int, hidden_size: int, itemsize: int, pool_size: int
+) -> int:
     """The most bytes one rank receives in one contrastive-loss call when every rank holds
     `tokens_per_rank` real tokens: the layout all-gather, the pool all-gather (vectors of `itemsize`
     bytes plus an int64 sequence id per row, padded to the busiest rank) and the metrics reduction.
@@ -91,15 +95,17 @@ def gather_bytes_per_call(*, world_size: int, tokens_per_rank: int, hidden_size:
     return LAYOUT_BYTES_PER_RANK * world_size + world_size * rows * (hidden_size * itemsize + 8) + _REDUCE_BYTES
 
 
-def check_pair(fn: str, x_BLD: torch.Tensor, other_name: str, other_BLD: torch.Tensor,
-                attention_mask_BL: torch.Tensor) -> None:
+def check_pair(
+    fn: str, x_BLD: torch.Tensor, other_name: str, other_BLD: torch.Tensor, attention_mask_BL: torch.Tensor
+) -> None:
     if x_BLD.dim() != 3 or not x_BLD.is_floating_point():
         raise ValueError(f"{fn}: expected a float [B, L, D] tensor, got {tuple(x_BLD.shape)} {x_BLD.dtype}")
     if other_BLD.shape != x_BLD.shape:
         raise ValueError(f"{fn}: {other_name} has shape {tuple(other_BLD.shape)}, expected {tuple(x_BLD.shape)}")
     if attention_mask_BL.shape != x_BLD.shape[:2]:
-        raise ValueError(f"{fn}: attention_mask_BL has shape {tuple(attention_mask_BL.shape)}, "
-                         f"expected {tuple(x_BLD.shape[:2])}")
+        raise ValueError(
+            f"{fn}: attention_mask_BL has shape {tuple(attention_mask_BL.shape)}, expected {tuple(x_BLD.shape[:2])}"
+        )
 
 
 def check_mask(fn: str, name: str, mask_BL: torch.Tensor, attention_mask_BL: torch.Tensor) -> None:
@@ -107,4 +113,3 @@ def check_mask(fn: str, name: str, mask_BL: torch.Tensor, attention_mask_BL: tor
         raise ValueError(f"{fn}: {name} must be torch.bool, got {mask_BL.dtype}")
     if mask_BL.shape != attention_mask_BL.shape:
         raise ValueError(f"{fn}: {name} has shape {tuple(mask_BL.shape)}, expected {tuple(attention_mask_BL.shape)}")
-

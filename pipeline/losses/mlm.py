@@ -11,6 +11,7 @@ head, or a caller's own) take the general path, which selects the labelled rows 
 
 Legend: N rows, V classes (vocabulary), n rows of a chunk.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,10 +36,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         target_N = logits_NV.new_empty(N, dtype=torch.float32)
         correct = logits_NV.new_zeros((), dtype=torch.float32)
         for start in range(0, N, step):
-            x = logits_NV[start:start + step].float()
-            y = labels_N[start:start + step]
-            lse_N[start:start + step] = torch.logsumexp(x, dim=1)
-            target_N[start:start + step] = x.gather(1, y[:, None]).squeeze(1)
+            x = logits_NV[start : start + step].float()
+            y = labels_N[start : start + step]
+            lse_N[start : start + step] = torch.logsumexp(x, dim=1)
+            target_N[start : start + step] = x.gather(1, y[:, None]).squeeze(1)
             correct += (x.argmax(1) == y).sum()
         ctx.save_for_backward(logits_NV, labels_N, lse_N)
         ctx.step = step

@@ -3,14 +3,16 @@ the loss benchmark times them. They are deliberately the papers' code paths, qui
 
 Legend: B sequences, L positions, D hidden size, K negatives per position.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 
-def upstream_tacl(student_BLD: torch.Tensor, teacher_BLD: torch.Tensor, masked_BL: torch.Tensor, *,
-                  temperature: float = 0.01) -> torch.Tensor:
+def upstream_tacl(
+    student_BLD: torch.Tensor, teacher_BLD: torch.Tensor, masked_BL: torch.Tensor, *, temperature: float = 0.01
+) -> torch.Tensor:
     """TaCL as upstream computes it (yxuansu/TaCL pretraining/bert_contrastive.py): cosine over
     temperature against every position of the sequence, [PAD] included. masked_BL: 1.0 at the anchors
     (any float or bool tensor); the loss is the mean over them."""
@@ -24,16 +26,23 @@ def upstream_tacl(student_BLD: torch.Tensor, teacher_BLD: torch.Tensor, masked_B
     return loss.sum() / weights_BL.sum()
 
 
-def upstream_taco(hidden_BLD: torch.Tensor, embeddings_BLD: torch.Tensor, *, num_negatives: int, window: int = 5,
-                  temperature: float = 0.07) -> torch.Tensor:
+def upstream_taco(
+    hidden_BLD: torch.Tensor,
+    embeddings_BLD: torch.Tensor,
+    *,
+    num_negatives: int,
+    window: int = 5,
+    temperature: float = 0.07,
+) -> torch.Tensor:
     """TACO as upstream computes it (FUZHIYI/TACO scripts/sampler.py): no padding, negatives from other
     rows of this micro-batch, gathered into a [B, L, K, D] tensor."""
     B, L, D = hidden_BLD.shape
     device = hidden_BLD.device
     g_BLD = F.normalize(hidden_BLD - embeddings_BLD, dim=-1)
     context_BLD = g_BLD.detach()
-    rows_BLK = (torch.randint(B - 1, (B, L, num_negatives), device=device)
-                + torch.arange(B, device=device)[:, None, None] + 1) % B
+    rows_BLK = (
+        torch.randint(B - 1, (B, L, num_negatives), device=device) + torch.arange(B, device=device)[:, None, None] + 1
+    ) % B
     cols_BLK = torch.randint(L, (B, L, num_negatives), device=device)
     negatives_BLKD = context_BLD[rows_BLK, cols_BLK]
     half = window // 2

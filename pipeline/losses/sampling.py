@@ -22,6 +22,7 @@ busiest rank wastes almost nothing), and the pool spreads evenly over the sequen
 Legend: B sequences (this rank), L positions, D hidden size, T real tokens, N anchors (this rank),
 P pool rows (all ranks), K negatives per anchor, R ranks; `_flat` = index into this rank's B*L.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -83,7 +84,12 @@ def draw_seed(generator: Optional[torch.Generator]) -> int:
 
 
 def gather_layout(
-    *, sequences: int, tokens: int, anchors: int, seed: int, group: Optional[dist.ProcessGroup],
+    *,
+    sequences: int,
+    tokens: int,
+    anchors: int,
+    seed: int,
+    group: Optional[dist.ProcessGroup],
     tokens_per_sequence: Optional[int] = None,
 ) -> Layout:
     """Every rank's counts. `tokens_per_sequence` set (the caller's promise that every rank holds
@@ -92,13 +98,25 @@ def gather_layout(
     same seed."""
     world, rank = distributed.world_size(group), distributed.rank(group)
     if tokens_per_sequence is not None or world == 1:
-        return Layout(rank=rank, sequences=(sequences,) * world, tokens=(tokens,) * world, anchors=(anchors,) * world,
-                      seed=seed, tokens_per_sequence=tokens_per_sequence)
+        return Layout(
+            rank=rank,
+            sequences=(sequences,) * world,
+            tokens=(tokens,) * world,
+            anchors=(anchors,) * world,
+            seed=seed,
+            tokens_per_sequence=tokens_per_sequence,
+        )
     rows = distributed.all_gather_ints([sequences, tokens, anchors, seed], group=group)
-    assert len({r[3] for r in rows}) == 1, f"ranks draw with different seeds {[r[3] for r in rows]}: seed the " \
-                                           f"loss generator from the step, not the rank"
-    return Layout(rank=rank, sequences=tuple(r[0] for r in rows), tokens=tuple(r[1] for r in rows),
-                  anchors=tuple(r[2] for r in rows), seed=seed)
+    assert len({r[3] for r in rows}) == 1, (
+        f"ranks draw with different seeds {[r[3] for r in rows]}: seed the loss generator from the step, not the rank"
+    )
+    return Layout(
+        rank=rank,
+        sequences=tuple(r[0] for r in rows),
+        tokens=tuple(r[1] for r in rows),
+        anchors=tuple(r[2] for r in rows),
+        seed=seed,
+    )
 
 
 def layout_bytes(layout: Layout) -> int:
@@ -193,12 +211,12 @@ def draw_pool(*, real_flat_T: torch.Tensor, width: int, layout: Layout, pool_siz
     sequence_P = None
     if layout.tokens_per_sequence is not None:
         sequence_P = to_device(picks_P // layout.tokens_per_sequence, device)
-    return PoolDraw(flat_n=flat_n, sequence_n=flat_n // width + layout.sequence_offset, sizes=sizes,
-                    sequence_P=sequence_P)
+    return PoolDraw(
+        flat_n=flat_n, sequence_n=flat_n // width + layout.sequence_offset, sizes=sizes, sequence_P=sequence_P
+    )
 
 
-def gather_pool(rows_nD: torch.Tensor, *, draw: PoolDraw, group: Optional[dist.ProcessGroup],
-                autograd: bool) -> Pool:
+def gather_pool(rows_nD: torch.Tensor, *, draw: PoolDraw, group: Optional[dist.ProcessGroup], autograd: bool) -> Pool:
     """Gather every rank's pool rows (this rank's: `rows_nD`, the vectors at draw.flat_n) in the dtype
     they come in, in one collective; `autograd=True` lets gradients flow back to the rows' owners.
     Where the sequence ids are not known already they travel in the same gather, their int64 bits
@@ -210,8 +228,9 @@ def gather_pool(rows_nD: torch.Tensor, *, draw: PoolDraw, group: Optional[dist.P
         row_bytes = D * rows_nD.element_size()
     else:
         id_bits_nk = draw.sequence_n.to(torch.int64).contiguous().view(rows_nD.dtype).view(rows_nD.shape[0], -1)
-        both_PDk = distributed.all_gather_uneven(torch.cat([rows_nD, id_bits_nk], dim=1), sizes=draw.sizes,
-                                                 group=group, autograd=autograd)
+        both_PDk = distributed.all_gather_uneven(
+            torch.cat([rows_nD, id_bits_nk], dim=1), sizes=draw.sizes, group=group, autograd=autograd
+        )
         vectors_PD = both_PDk[:, :D]
         sequence_P = both_PDk[:, D:].detach().contiguous().view(torch.int64).view(-1)
         row_bytes = D * rows_nD.element_size() + 8
@@ -231,8 +250,13 @@ def anchor_uniforms(seed: int, *, start: int, count: int, columns: int, device: 
         return torch.empty(0, columns, dtype=torch.float64, device=device)
     first, last = start // ANCHOR_BLOCK, (start + count - 1) // ANCHOR_BLOCK
     blocks = [
-        torch.rand(ANCHOR_BLOCK, columns, dtype=torch.float64, device=device,
-                   generator=private_generator(seed, _ANCHOR_STREAM, block, device=device))
+        torch.rand(
+            ANCHOR_BLOCK,
+            columns,
+            dtype=torch.float64,
+            device=device,
+            generator=private_generator(seed, _ANCHOR_STREAM, block, device=device),
+        )
         for block in range(first, last + 1)
     ]
     skip = start - first * ANCHOR_BLOCK

@@ -5,6 +5,7 @@ The formula is in docs/objectives.md; how the loss is shared across ranks, in pi
 Legend: B sequences, L positions, D hidden size, N anchors (this rank), P pool rows (all ranks);
 `_flat` = index into this rank's B*L positions.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,14 +55,35 @@ def tacl_loss(
     "gathered_bytes" (bytes this rank received in this call).
     """
     with fp32_only(student_BLD):
-        return _tacl_loss(student_BLD, teacher_BLD=teacher_BLD, masked_BL=masked_BL,
-                          attention_mask_BL=attention_mask_BL, temperature=temperature, negatives=negatives,
-                          num_pool=num_pool, group=group, generator=generator, anchor_flat_N=anchor_flat_N,
-                          real_flat_T=real_flat_T)
+        return _tacl_loss(
+            student_BLD,
+            teacher_BLD=teacher_BLD,
+            masked_BL=masked_BL,
+            attention_mask_BL=attention_mask_BL,
+            temperature=temperature,
+            negatives=negatives,
+            num_pool=num_pool,
+            group=group,
+            generator=generator,
+            anchor_flat_N=anchor_flat_N,
+            real_flat_T=real_flat_T,
+        )
 
 
-def _tacl_loss(student_BLD, *, teacher_BLD, masked_BL, attention_mask_BL, temperature, negatives, num_pool, group,
-               generator, anchor_flat_N, real_flat_T):
+def _tacl_loss(
+    student_BLD,
+    *,
+    teacher_BLD,
+    masked_BL,
+    attention_mask_BL,
+    temperature,
+    negatives,
+    num_pool,
+    group,
+    generator,
+    anchor_flat_N,
+    real_flat_T,
+):
     check_pair("tacl_loss", student_BLD, "teacher_BLD", teacher_BLD, attention_mask_BL)
     check_mask("tacl_loss", "masked_BL", masked_BL, attention_mask_BL)
     if temperature <= 0:
@@ -91,11 +113,17 @@ def _tacl_loss(student_BLD, *, teacher_BLD, masked_BL, attention_mask_BL, temper
     if negatives == "global":
         if real_flat_T is None:
             real_flat_T = real_BL.reshape(-1).nonzero().squeeze(1)
-        layout = gather_layout(sequences=B, tokens=real_flat_T.shape[0], anchors=anchor_flat_N.shape[0],
-                               seed=draw_seed(generator), group=group)
+        layout = gather_layout(
+            sequences=B,
+            tokens=real_flat_T.shape[0],
+            anchors=anchor_flat_N.shape[0],
+            seed=draw_seed(generator),
+            group=group,
+        )
         draw = draw_pool(real_flat_T=real_flat_T, width=L, layout=layout, pool_size=num_pool)
-        pool = gather_pool(teacher_BLD.detach().reshape(B * L, D).index_select(0, draw.flat_n), draw=draw,
-                           group=group, autograd=False)
+        pool = gather_pool(
+            teacher_BLD.detach().reshape(B * L, D).index_select(0, draw.flat_n), draw=draw, group=group, autograd=False
+        )
         gathered += layout_bytes(layout) + pool.gathered_bytes
         pool_PD = F.normalize(pool.vectors_PD.float(), dim=-1)
         s_ND = s_BLD.reshape(B * L, D).index_select(0, anchor_flat_N)
@@ -106,6 +134,6 @@ def _tacl_loss(student_BLD, *, teacher_BLD, masked_BL, attention_mask_BL, temper
     loss_N = F.cross_entropy(logits_NC, l_N, reduction="none")
     correct_N = positive_on_top(logits_NC.detach(), l_N)
     valid_N = torch.ones_like(correct_N)
-    return share_across_ranks(loss_N, correct_N=correct_N, valid_N=valid_N, skipped=None, gathered_bytes=gathered,
-                              group=group)
-
+    return share_across_ranks(
+        loss_N, correct_N=correct_N, valid_N=valid_N, skipped=None, gathered_bytes=gathered, group=group
+    )

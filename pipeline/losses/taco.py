@@ -7,6 +7,7 @@ the draws, in pipeline.losses.sampling; the per-anchor kernel, in pipeline.losse
 Legend: B sequences, L positions, D hidden size, N anchors (this rank), P pool rows (all ranks),
 K negatives per anchor; `_flat` = index into this rank's B*L positions.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -16,8 +17,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pipeline.losses.common import Metrics, check_mask, check_pair, fp32_only, share_across_ranks
-from pipeline.losses.sampling import (anchor_uniforms, draw_pool, draw_seed, gather_layout, gather_pool, layout_bytes,
-                                      negative_pool_indices, positive_positions)
+from pipeline.losses.sampling import (
+    anchor_uniforms,
+    draw_pool,
+    draw_seed,
+    gather_layout,
+    gather_pool,
+    layout_bytes,
+    negative_pool_indices,
+    positive_positions,
+)
 from pipeline.losses.taco_kernel import taco_anchor_losses
 
 # TACO's pool: rows drawn from all ranks' real tokens per call (see pipeline.losses.sampling). The loss costs
@@ -75,14 +84,43 @@ def taco_loss(
     Out: (loss, metrics) with "loss", "acc", "num_anchors", "num_skipped", "gathered_bytes".
     """
     with fp32_only(hidden_BLD):
-        return _taco_loss(hidden_BLD, embeddings_BLD=embeddings_BLD, attention_mask_BL=attention_mask_BL,
-                          anchors=anchors, masked_BL=masked_BL, window=window, num_negatives=num_negatives,
-                          temperature=temperature, detach=detach, generator=generator, group=group,
-                          pool_size=pool_size, anchor_flat_N=anchor_flat_N, real_flat_T=real_flat_T, uniform=uniform)
+        return _taco_loss(
+            hidden_BLD,
+            embeddings_BLD=embeddings_BLD,
+            attention_mask_BL=attention_mask_BL,
+            anchors=anchors,
+            masked_BL=masked_BL,
+            window=window,
+            num_negatives=num_negatives,
+            temperature=temperature,
+            detach=detach,
+            generator=generator,
+            group=group,
+            pool_size=pool_size,
+            anchor_flat_N=anchor_flat_N,
+            real_flat_T=real_flat_T,
+            uniform=uniform,
+        )
 
 
-def _taco_loss(hidden_BLD, *, embeddings_BLD, attention_mask_BL, anchors, masked_BL, window, num_negatives,
-               temperature, detach, generator, group, pool_size, anchor_flat_N, real_flat_T, uniform):
+def _taco_loss(
+    hidden_BLD,
+    *,
+    embeddings_BLD,
+    attention_mask_BL,
+    anchors,
+    masked_BL,
+    window,
+    num_negatives,
+    temperature,
+    detach,
+    generator,
+    group,
+    pool_size,
+    anchor_flat_N,
+    real_flat_T,
+    uniform,
+):
     check_pair("taco_loss", hidden_BLD, "embeddings_BLD", embeddings_BLD, attention_mask_BL)
     if anchors not in _TACO_ANCHORS:
         raise ValueError(f"taco_loss: anchors must be one of {_TACO_ANCHORS}, got {anchors!r}")
@@ -115,8 +153,14 @@ def _taco_loss(hidden_BLD, *, embeddings_BLD, attention_mask_BL, anchors, masked
         skipped = (~positive_ok_N).sum()
     if real_flat_T is None:
         real_flat_T = real_BL.reshape(-1).nonzero().squeeze(1)
-    layout = gather_layout(sequences=B, tokens=real_flat_T.shape[0], anchors=anchor_flat_N.shape[0],
-                           seed=draw_seed(generator), group=group, tokens_per_sequence=L if uniform else None)
+    layout = gather_layout(
+        sequences=B,
+        tokens=real_flat_T.shape[0],
+        anchors=anchor_flat_N.shape[0],
+        seed=draw_seed(generator),
+        group=group,
+        tokens_per_sequence=L if uniform else None,
+    )
     if sum(layout.sequences) < 2:
         raise ValueError(
             f"taco_loss: negatives come from other sequences, but the batch holds {sum(layout.sequences)} "
@@ -126,27 +170,39 @@ def _taco_loss(hidden_BLD, *, embeddings_BLD, attention_mask_BL, anchors, masked
     hidden_MD, embeddings_MD = hidden_BLD.reshape(B * L, D), embeddings_BLD.reshape(B * L, D)
     draw = draw_pool(real_flat_T=real_flat_T, width=L, layout=layout, pool_size=pool_size)
     with torch.set_grad_enabled(torch.is_grad_enabled() and not detach):
-        pool_rows_nD = (hidden_MD.index_select(0, draw.flat_n).float()
-                        - embeddings_MD.index_select(0, draw.flat_n).float()).to(hidden_BLD.dtype)
+        pool_rows_nD = (
+            hidden_MD.index_select(0, draw.flat_n).float() - embeddings_MD.index_select(0, draw.flat_n).float()
+        ).to(hidden_BLD.dtype)
     pool = gather_pool(pool_rows_nD, draw=draw, group=group, autograd=not detach)
     pool_PD = F.normalize(pool.vectors_PD.float(), dim=-1)
 
-    u_NC = anchor_uniforms(layout.seed, start=layout.anchor_offset, count=anchor_flat_N.shape[0],
-                           columns=2 + num_negatives, device=hidden_BLD.device)
-    positive_flat_N = positive_positions(u_NC[:, :2], anchor_flat_N=anchor_flat_N, real_BL=real_BL,
-                                         window=window)
+    u_NC = anchor_uniforms(
+        layout.seed,
+        start=layout.anchor_offset,
+        count=anchor_flat_N.shape[0],
+        columns=2 + num_negatives,
+        device=hidden_BLD.device,
+    )
+    positive_flat_N = positive_positions(u_NC[:, :2], anchor_flat_N=anchor_flat_N, real_BL=real_BL, window=window)
     negative_NK, has_negatives_N = negative_pool_indices(
-        u_NC[:, 2:], anchor_sequence_N=anchor_flat_N // L + layout.sequence_offset,
-        pool_sequence_P=pool.sequence_P)
-    loss_N, correct_N = taco_anchor_losses(hidden_MD, embeddings_MD, pool_PD, anchor_N=anchor_flat_N,
-                                           positive_N=positive_flat_N, negative_NK=negative_NK,
-                                           temperature=temperature, detach=detach)
+        u_NC[:, 2:], anchor_sequence_N=anchor_flat_N // L + layout.sequence_offset, pool_sequence_P=pool.sequence_P
+    )
+    loss_N, correct_N = taco_anchor_losses(
+        hidden_MD,
+        embeddings_MD,
+        pool_PD,
+        anchor_N=anchor_flat_N,
+        positive_N=positive_flat_N,
+        negative_NK=negative_NK,
+        temperature=temperature,
+        detach=detach,
+    )
     valid_N = has_negatives_N if positive_ok_N is None else has_negatives_N & positive_ok_N
     no_negative_N = ~has_negatives_N
     if positive_ok_N is not None:
         no_negative_N = no_negative_N & positive_ok_N  # an anchor without a positive is counted once
     skipped = skipped + no_negative_N.sum()
     gathered = layout_bytes(layout) + pool.gathered_bytes
-    return share_across_ranks(loss_N, correct_N=correct_N, valid_N=valid_N, skipped=skipped, gathered_bytes=gathered,
-                              group=group)
-
+    return share_across_ranks(
+        loss_N, correct_N=correct_N, valid_N=valid_N, skipped=skipped, gathered_bytes=gathered, group=group
+    )

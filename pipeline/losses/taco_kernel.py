@@ -14,6 +14,7 @@ logits weighted by their gradients, which the saved logits give.
 Legend: M = B*L rows of the flattened batch, N anchors, P pool rows, K negatives, D hidden size,
 n anchors in a chunk.
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,8 +45,7 @@ class _Rows:
 
 class _TacoLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_MD, embeddings_MD, pool_PD, anchor_N, positive_N, negative_NK, inverse_tau,
-                detach):  # type: ignore[override]
+    def forward(ctx, hidden_MD, embeddings_MD, pool_PD, anchor_N, positive_N, negative_NK, inverse_tau, detach):  # type: ignore[override]
         N, K = negative_NK.shape
         rows = _Rows(hidden_MD, embeddings_MD, anchor_N)
         step = max(1, _CHUNK_ELEMENTS // max(pool_PD.shape[0], hidden_MD.shape[1]))
@@ -63,16 +63,36 @@ class _TacoLoss(torch.autograd.Function):
             log_z_N[chunk] = torch.logsumexp(logits_NC[chunk], dim=1)
             inverse_anchor_N[chunk], inverse_positive_N[chunk] = inv_a_n, inv_p_n
         correct_N = logits_NC[:, 0] > logits_NC[:, 1:].max(dim=1).values
-        ctx.save_for_backward(hidden_MD, embeddings_MD, pool_PD, anchor_N, positive_N, negative_NK, logits_NC,
-                              log_z_N, inverse_anchor_N, inverse_positive_N)
+        ctx.save_for_backward(
+            hidden_MD,
+            embeddings_MD,
+            pool_PD,
+            anchor_N,
+            positive_N,
+            negative_NK,
+            logits_NC,
+            log_z_N,
+            inverse_anchor_N,
+            inverse_positive_N,
+        )
         ctx.inverse_tau, ctx.detach, ctx.step = inverse_tau, detach, step
         ctx.mark_non_differentiable(correct_N)
         return log_z_N - logits_NC[:, 0], correct_N
 
     @staticmethod
     def backward(ctx, grad_loss_N, _grad_correct):  # type: ignore[override]
-        (hidden_MD, embeddings_MD, pool_PD, anchor_N, positive_N, negative_NK, logits_NC, log_z_N,
-         inverse_anchor_N, inverse_positive_N) = ctx.saved_tensors
+        (
+            hidden_MD,
+            embeddings_MD,
+            pool_PD,
+            anchor_N,
+            positive_N,
+            negative_NK,
+            logits_NC,
+            log_z_N,
+            inverse_anchor_N,
+            inverse_positive_N,
+        ) = ctx.saved_tensors
         need_rows = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         need_pool = ctx.needs_input_grad[2]
         rows = _Rows(hidden_MD, embeddings_MD, anchor_N)
@@ -143,5 +163,6 @@ def taco_anchor_losses(
     positives get no gradient (the pool gets one only if it requires it).
     Out: loss_N fp32, correct_N bool (the positive strictly above every negative).
     """
-    return _TacoLoss.apply(hidden_MD, embeddings_MD, pool_PD, anchor_N, positive_N, negative_NK,
-                           1.0 / temperature, detach)
+    return _TacoLoss.apply(
+        hidden_MD, embeddings_MD, pool_PD, anchor_N, positive_N, negative_NK, 1.0 / temperature, detach
+    )

@@ -10,6 +10,7 @@
 
 Legend: B sequences, L positions, T real tokens, H heads, E head size, D = H * E.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,8 +53,15 @@ def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:
     return _VARLEN is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
 
-def dense_attention(q_BLD: torch.Tensor, k_BLD: torch.Tensor, v_BLD: torch.Tensor, *, heads: int,
-                    key_mask_BL: Optional[torch.Tensor], dropout_p: float) -> torch.Tensor:
+def dense_attention(
+    q_BLD: torch.Tensor,
+    k_BLD: torch.Tensor,
+    v_BLD: torch.Tensor,
+    *,
+    heads: int,
+    key_mask_BL: Optional[torch.Tensor],
+    dropout_p: float,
+) -> torch.Tensor:
     """Bidirectional attention over [B, L, D] projections. key_mask_BL None: every position is real."""
     B, L, D = q_BLD.shape
     q, k, v = (x.view(B, L, heads, D // heads).transpose(1, 2) for x in (q_BLD, k_BLD, v_BLD))
@@ -62,9 +70,19 @@ def dense_attention(q_BLD: torch.Tensor, k_BLD: torch.Tensor, v_BLD: torch.Tenso
     return out_BHLE.transpose(1, 2).reshape(B, L, D)
 
 
-def varlen_attention(q_TD: torch.Tensor, k_TD: torch.Tensor, v_TD: torch.Tensor, *, heads: int,
-                     cu_seqlens: torch.Tensor, max_len: int, grid_index_T: torch.Tensor, key_mask_BL: torch.Tensor,
-                     dropout_p: float, fused: bool) -> torch.Tensor:
+def varlen_attention(
+    q_TD: torch.Tensor,
+    k_TD: torch.Tensor,
+    v_TD: torch.Tensor,
+    *,
+    heads: int,
+    cu_seqlens: torch.Tensor,
+    max_len: int,
+    grid_index_T: torch.Tensor,
+    key_mask_BL: torch.Tensor,
+    dropout_p: float,
+    fused: bool,
+) -> torch.Tensor:
     """Attention within each sequence of an unpadded [T, D] stream (see `Varlen` for the layout).
     `fused`: use the varlen kernel (the caller checked `varlen_available` and that dropout_p == 0)."""
     T, D = q_TD.shape
@@ -72,7 +90,8 @@ def varlen_attention(q_TD: torch.Tensor, k_TD: torch.Tensor, v_TD: torch.Tensor,
         q, k, v = (x.view(T, heads, D // heads) for x in (q_TD, k_TD, v_TD))
         return _VARLEN(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len).reshape(T, D)
     B = key_mask_BL.shape[0]
-    grid = [q_TD.new_zeros(B * max_len, D).index_copy(0, grid_index_T, x).view(B, max_len, D)
-            for x in (q_TD, k_TD, v_TD)]
+    grid = [
+        q_TD.new_zeros(B * max_len, D).index_copy(0, grid_index_T, x).view(B, max_len, D) for x in (q_TD, k_TD, v_TD)
+    ]
     out_BLD = dense_attention(*grid, heads=heads, key_mask_BL=key_mask_BL, dropout_p=dropout_p)
     return out_BLD.reshape(B * max_len, D).index_select(0, grid_index_T)

@@ -10,6 +10,7 @@ Equivalence with HF's forward (logits, losses, gradients) is a test: tests/unit/
 
 Legend: B sequences, L positions, T real tokens, D hidden size.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
@@ -23,17 +24,27 @@ if TYPE_CHECKING:
     from transformers import BertModel
 
 
-def embed(bert: "BertModel", input_ids: torch.Tensor, token_type_ids: torch.Tensor,
-          position_ids: torch.Tensor) -> torch.Tensor:
+def embed(
+    bert: BertModel, input_ids: torch.Tensor, token_type_ids: torch.Tensor, position_ids: torch.Tensor
+) -> torch.Tensor:
     """Word + token type + position embeddings, LayerNorm, dropout: HF's BertEmbeddings, any shape."""
     e = bert.embeddings
     x = e.word_embeddings(input_ids) + e.token_type_embeddings(token_type_ids) + e.position_embeddings(position_ids)
     return e.dropout(e.LayerNorm(x))
 
 
-def layer_forward(layer: torch.nn.Module, x: torch.Tensor, key_mask_BL: Optional[torch.Tensor],
-                  cu_seqlens: Optional[torch.Tensor], grid_index_T: Optional[torch.Tensor], max_len: int, *,
-                  heads: int, attention_dropout: float, fused: bool) -> torch.Tensor:
+def layer_forward(
+    layer: torch.nn.Module,
+    x: torch.Tensor,
+    key_mask_BL: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor],
+    grid_index_T: Optional[torch.Tensor],
+    max_len: int,
+    *,
+    heads: int,
+    attention_dropout: float,
+    fused: bool,
+) -> torch.Tensor:
     """One BertLayer on x: [B, L, D] (cu_seqlens None; key_mask_BL None = no padding) or an unpadded
     [T, D] stream (cu_seqlens, grid_index_T, key_mask_BL and max_len of its Varlen layout). Plain
     tensors and numbers in, so that one compiled graph serves every layer and batch."""
@@ -45,8 +56,18 @@ def layer_forward(layer: torch.nn.Module, x: torch.Tensor, key_mask_BL: Optional
     if cu_seqlens is None:
         context = dense_attention(q, k, v, heads=heads, key_mask_BL=key_mask_BL, dropout_p=p)
     else:
-        context = varlen_attention(q, k, v, heads=heads, cu_seqlens=cu_seqlens, max_len=max_len,
-                                   grid_index_T=grid_index_T, key_mask_BL=key_mask_BL, dropout_p=p, fused=fused)
+        context = varlen_attention(
+            q,
+            k,
+            v,
+            heads=heads,
+            cu_seqlens=cu_seqlens,
+            max_len=max_len,
+            grid_index_T=grid_index_T,
+            key_mask_BL=key_mask_BL,
+            dropout_p=p,
+            fused=fused,
+        )
     h = a.output.LayerNorm(a.output.dropout(a.output.dense(context)) + x)
     inner = layer.intermediate.intermediate_act_fn(layer.intermediate.dense(h))
     return layer.output.LayerNorm(layer.output.dropout(layer.output.dense(inner)) + h)
@@ -59,7 +80,7 @@ class Encoder:
     token count, which varies from batch to batch in the unpadded layout).
     """
 
-    def __init__(self, bert: "BertModel", *, compile: bool = False) -> None:
+    def __init__(self, bert: BertModel, *, compile: bool = False) -> None:
         self.bert = bert
         self.heads = bert.config.num_attention_heads
         self.attention_dropout = float(bert.config.attention_probs_dropout_prob)
@@ -67,12 +88,27 @@ class Encoder:
 
     def _layers(self, x: torch.Tensor, key_mask_BL, cu_seqlens, grid_index_T, max_len: int, fused: bool):
         for layer in self.bert.encoder.layer:
-            x = self.layer_fn(layer, x, key_mask_BL, cu_seqlens, grid_index_T, max_len, heads=self.heads,
-                              attention_dropout=self.attention_dropout, fused=fused)
+            x = self.layer_fn(
+                layer,
+                x,
+                key_mask_BL,
+                cu_seqlens,
+                grid_index_T,
+                max_len,
+                heads=self.heads,
+                attention_dropout=self.attention_dropout,
+                fused=fused,
+            )
         return x
 
-    def dense(self, input_ids_BL: torch.Tensor, token_type_ids_BL: torch.Tensor, *,
-              key_mask_BL: Optional[torch.Tensor] = None, output_embeddings: bool = False):
+    def dense(
+        self,
+        input_ids_BL: torch.Tensor,
+        token_type_ids_BL: torch.Tensor,
+        *,
+        key_mask_BL: Optional[torch.Tensor] = None,
+        output_embeddings: bool = False,
+    ):
         """[B, L] inputs -> (hidden_BLD, embeddings_BLD or None). key_mask_BL None: no padding."""
         B, L = input_ids_BL.shape
         positions = torch.arange(L, device=input_ids_BL.device).expand(B, L)
@@ -80,8 +116,15 @@ class Encoder:
         hidden = self._layers(first, key_mask_BL, None, None, L, False)
         return hidden, (first if output_embeddings else None)
 
-    def unpadded(self, input_ids_T: torch.Tensor, token_type_ids_T: torch.Tensor, position_ids_T: torch.Tensor, *,
-                 layout: Varlen, output_embeddings: bool = False):
+    def unpadded(
+        self,
+        input_ids_T: torch.Tensor,
+        token_type_ids_T: torch.Tensor,
+        position_ids_T: torch.Tensor,
+        *,
+        layout: Varlen,
+        output_embeddings: bool = False,
+    ):
         """A [T] token stream of B sequences (layout) -> (hidden_TD, embeddings_TD or None)."""
         first = embed(self.bert, input_ids_T, token_type_ids_T, position_ids_T)
         # The fused kernel has no dropout: with attention dropout in training, the exact fallback runs.

@@ -1,5 +1,6 @@
 """The one weight-decay rule, for pre-training and fine-tuning alike: BERT's, where biases and
 LayerNorm weights get no decay."""
+
 from __future__ import annotations
 
 from typing import Any, Optional

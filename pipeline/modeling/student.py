@@ -7,6 +7,7 @@ The student wraps HF's own modules, so its weights are exactly a BertForPreTrain
 
 Legend: B sequences, L positions, D hidden size, V vocabulary, N masked positions (row-major).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,8 +57,9 @@ def load_pretrained(path: str) -> tuple[BertForPreTraining, InitReport]:
     folder = Path(path)
     check_init_from(path)
     net, info = BertForPreTraining.from_pretrained(folder, output_loading_info=True, attn_implementation="sdpa")
-    return net, InitReport(source=str(folder), missing=list(info["missing_keys"]),
-                           unexpected=list(info["unexpected_keys"]))
+    return net, InitReport(
+        source=str(folder), missing=list(info["missing_keys"]), unexpected=list(info["unexpected_keys"])
+    )
 
 
 class Student(nn.Module):
@@ -79,8 +81,16 @@ class Student(nn.Module):
     def config(self) -> BertConfig:
         return self.net.config
 
-    def forward(self, batch, token_type_ids=None, attention_mask=None, masked=None, *, with_embeddings: bool = False,
-                with_nsp: bool = False) -> dict[str, torch.Tensor]:
+    def forward(
+        self,
+        batch,
+        token_type_ids=None,
+        attention_mask=None,
+        masked=None,
+        *,
+        with_embeddings: bool = False,
+        with_nsp: bool = False,
+    ) -> dict[str, torch.Tensor]:
         """In: a collated batch (pipeline.data.collator), on the device; or, for direct use, four [B, L]
         tensors (input ids, token types, attention mask, masked bool) of a padded batch. Out: hidden
         [B, L, D] (last layer, the padded grid view), mlm_logits [N, V] at the masked positions (row-major);
@@ -88,8 +98,9 @@ class Student(nn.Module):
         nsp_logits [B, 2] if with_nsp."""
         if not isinstance(batch, dict):
             batch = padded_batch(batch, token_type_ids, attention_mask, masked)
-        hidden_BLD, rows_MD, first_BD, embeddings_BLD = run_encoder(self.encoder, batch, ids="input_ids",
-                                                                   with_embeddings=with_embeddings)
+        hidden_BLD, rows_MD, first_BD, embeddings_BLD = run_encoder(
+            self.encoder, batch, ids="input_ids", with_embeddings=with_embeddings
+        )
         head = self.net.cls.predictions
         index_N = batch["masked_index"]
         logits_NV = head(rows_MD).index_select(0, index_N) if self.full_head else head(rows_MD.index_select(0, index_N))
@@ -107,23 +118,38 @@ def run_encoder(encoder: Encoder, batch: dict, *, ids: str, with_embeddings: boo
     (B*L or T), the [CLS] vectors [B, D], embeddings_BLD or None)."""
     layout = batch["layout"]
     if layout == "unpadded":
-        varlen = Varlen(cu_seqlens=batch["cu_seqlens"], max_len=batch["max_len"], grid_index_T=batch["grid_index"],
-                        key_mask_BL=batch["attention_mask"].bool())
-        rows_TD, emb_TD = encoder.unpadded(batch[ids], batch["token_type_ids"], batch["position_ids"], layout=varlen,
-                                           output_embeddings=with_embeddings)
+        varlen = Varlen(
+            cu_seqlens=batch["cu_seqlens"],
+            max_len=batch["max_len"],
+            grid_index_T=batch["grid_index"],
+            key_mask_BL=batch["attention_mask"].bool(),
+        )
+        rows_TD, emb_TD = encoder.unpadded(
+            batch[ids], batch["token_type_ids"], batch["position_ids"], layout=varlen, output_embeddings=with_embeddings
+        )
         first_BD = rows_TD.index_select(0, batch["cu_seqlens"][:-1].long())
         embeddings = to_grid(emb_TD, varlen) if with_embeddings else None
         return to_grid(rows_TD, varlen), rows_TD, first_BD, embeddings
     key_mask = batch["attention_mask"].bool() if layout == "padded" else None
-    hidden_BLD, emb_BLD = encoder.dense(batch[ids], batch["token_type_ids"], key_mask_BL=key_mask,
-                                        output_embeddings=with_embeddings)
+    hidden_BLD, emb_BLD = encoder.dense(
+        batch[ids], batch["token_type_ids"], key_mask_BL=key_mask, output_embeddings=with_embeddings
+    )
     return hidden_BLD, hidden_BLD.flatten(0, 1), hidden_BLD[:, 0], emb_BLD
 
 
-def padded_batch(input_ids_BL: torch.Tensor, token_type_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor,
-                 masked_BL: torch.Tensor) -> dict:
+def padded_batch(
+    input_ids_BL: torch.Tensor,
+    token_type_ids_BL: torch.Tensor,
+    attention_mask_BL: torch.Tensor,
+    masked_BL: torch.Tensor,
+) -> dict:
     """A padded batch in the collator's form from plain tensors (finds the masked rows on the device:
     for direct use, not the training loop)."""
-    return {"layout": "padded", "input_ids": input_ids_BL, "original_ids": input_ids_BL,
-            "token_type_ids": token_type_ids_BL, "attention_mask": attention_mask_BL,
-            "masked_index": masked_BL.reshape(-1).nonzero().squeeze(1)}
+    return {
+        "layout": "padded",
+        "input_ids": input_ids_BL,
+        "original_ids": input_ids_BL,
+        "token_type_ids": token_type_ids_BL,
+        "attention_mask": attention_mask_BL,
+        "masked_index": masked_BL.reshape(-1).nonzero().squeeze(1),
+    }

@@ -3,6 +3,7 @@ every checkpoint and resume that it is still that copy.
 
 Legend: B sequences, L positions, D hidden size.
 """
+
 from __future__ import annotations
 
 import copy
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from pipeline.modeling.student import Student
 
 
-def build_teacher(student: "Student", *, dtype: torch.dtype, device: torch.device) -> "BertModel":
+def build_teacher(student: Student, *, dtype: torch.dtype, device: torch.device) -> BertModel:
     """A frozen copy of the student's encoder as it is now (call before training).
 
     Only the encoder: no vocabulary head (it would cost ~7% more FLOPs for nothing) and no pooler.
@@ -32,9 +33,11 @@ def build_teacher(student: "Student", *, dtype: torch.dtype, device: torch.devic
     return teacher.to(device=device, dtype=dtype)
 
 
-def check_teacher(teacher: "BertModel", student: "Student") -> None:
-    assert teacher.config.hidden_size == student.config.hidden_size, (teacher.config.hidden_size,
-                                                                        student.config.hidden_size)
+def check_teacher(teacher: BertModel, student: Student) -> None:
+    assert teacher.config.hidden_size == student.config.hidden_size, (
+        teacher.config.hidden_size,
+        student.config.hidden_size,
+    )
 
 
 def fingerprint(module: nn.Module) -> str:

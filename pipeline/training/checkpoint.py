@@ -3,18 +3,21 @@ against a job dying mid-save.
 
 Layout: RUN/checkpoints/step_00001000/ holds DeepSpeed's files (model states with the client state,
 per-rank ZeRO optimizer shards), `hf/` (the student's BertConfig and the tokenizer, so that
-pipeline.export needs nothing else) and `complete.json`, written last. `run_config.json` is the run's configuration at that step (what a resume is checked against).
-RUN/checkpoints/latest names the newest complete tag. A checkpoint without `complete.json` never counts: `latest` moves, and old
-checkpoints are pruned, only after every rank has finished writing.
+pipeline.export needs nothing else) and `complete.json`, written last. `run_config.json` is the run's
+configuration at that step (what a resume is checked against). RUN/checkpoints/latest names the newest
+complete tag. A checkpoint without `complete.json` never counts: `latest` moves, and old checkpoints are
+pruned, only after every rank has finished writing.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from pipeline import distributed
 from preprocessing.errors import UsageError
@@ -125,8 +128,9 @@ def load(engine: Any, path: Path) -> dict[str, Any]:
     returns the client state."""
     if not is_complete(path):
         raise UsageError(f"checkpoint {path} is incomplete (no {MARKER}); it cannot be resumed")
-    loaded, client_state = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True)
+    loaded, client_state = engine.load_checkpoint(
+        str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
     if loaded is None:
         raise UsageError(f"DeepSpeed could not load checkpoint {path}")
     return client_state
@@ -141,4 +145,4 @@ def saved_config(path: Path) -> Optional[dict[str, Any]]:
     try:
         return json.loads(file.read_text())
     except json.JSONDecodeError as e:
-        raise UsageError(f"{file}: unreadable ({e}); resume from another checkpoint or start a new --save_dir")
+        raise UsageError(f"{file}: unreadable ({e}); resume from another checkpoint or start a new --save_dir") from e

@@ -13,14 +13,16 @@ generated from them. `parse_args(argv)` resolves defaults, then a `--config` fil
 RUN/config.json replays that run), then the flags typed, then the objective's paper defaults for
 what is still unset; `TrainConfig.to_dict()` is what RUN/config.json records.
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from pipeline import cli
 from pipeline.modeling.bert_config import PRESETS
@@ -42,7 +44,7 @@ def _positive_floats(text: str) -> list[float]:
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
     if not values or any(not v > 0 or v == float("inf") for v in values):
         raise argparse.ArgumentTypeError(f"expected positive, finite weights, got {text!r}")
     return values
@@ -52,7 +54,7 @@ def _int_tuple(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 @dataclass
@@ -62,32 +64,44 @@ class ModelArgs:
     model_config: Optional[str] = cli.knob(None, "tiny | base | large | path to a BertConfig JSON (from scratch)")
     init_from: Optional[str] = cli.knob(None, "pre-trained Hugging Face BERT folder to start from (TaCL's setting)")
     tokenizer: Optional[str] = cli.knob(None, "HF tokenizer folder (default: DATA/tokenizer)")
-    mlm_head: str = cli.knob("masked", "masked: the vocabulary projection runs on masked rows only; full: on every "
-                             "row as HF's BertForMaskedLM does (an ablation: same loss, more FLOPs)",
-                             choices=("masked", "full"))
-    compile: str = cli.knob("auto", "torch.compile the encoder layers; auto = on CUDA", choices=("auto", "on", "off"),
-                            math=False)
+    mlm_head: str = cli.knob(
+        "masked",
+        "masked: the vocabulary projection runs on masked rows only; full: on every "
+        "row as HF's BertForMaskedLM does (an ablation: same loss, more FLOPs)",
+        choices=("masked", "full"),
+    )
+    compile: str = cli.knob(
+        "auto", "torch.compile the encoder layers; auto = on CUDA", choices=("auto", "on", "off"), math=False
+    )
 
 
 @dataclass
 class DataArgs:
     """The shards and how they are read and masked."""
 
-    data: list[str] = cli.knob(help="shard folder or remote URL; repeat the flag for several", repeat=True,
-                               required=True, default_factory=list)
-    data_weights: Optional[list[float]] = cli.knob(None, "mixing weights, one per --data, e.g. 0.5,0.5",
-                                                   parse=_positive_floats)
+    data: list[str] = cli.knob(
+        help="shard folder or remote URL; repeat the flag for several", repeat=True, required=True, default_factory=list
+    )
+    data_weights: Optional[list[float]] = cli.knob(
+        None, "mixing weights, one per --data, e.g. 0.5,0.5", parse=_positive_floats
+    )
     cache_dir: Optional[str] = cli.knob(None, "local cache root for remote shards (per job)", math=False)
-    num_workers: Optional[int] = cli.knob(None, "data-loader workers per rank (default: the cores per rank, less "
-                                                "one, at most 8)", math=False)
-    nsp_padding: str = cli.knob("remove", "NSP batches: remove = one unpadded token stream split by cu_seqlens "
-                                          "(varlen attention); keep = right-padded [B, L] (the reference path)",
-                                choices=("remove", "keep"), math=False)
+    num_workers: Optional[int] = cli.knob(
+        None, "data-loader workers per rank (default: the cores per rank, less one, at most 8)", math=False
+    )
+    nsp_padding: str = cli.knob(
+        "remove",
+        "NSP batches: remove = one unpadded token stream split by cu_seqlens "
+        "(varlen attention); keep = right-padded [B, L] (the reference path)",
+        choices=("remove", "keep"),
+        math=False,
+    )
     mask_prob: float = cli.knob(0.15, "share of the maskable tokens chosen for MLM")
     whole_word_masking: bool = cli.knob(False, "mask whole words (the shards' stored word_starts)")
     max_seq_len: Optional[int] = cli.knob(None, "only needed for shards without build_manifest.json")
-    num_canonical_nodes: Optional[int] = cli.knob(None, "streaming's canonical nodes (default: the physical nodes "
-                                                        "of the first run)")
+    num_canonical_nodes: Optional[int] = cli.knob(
+        None, "streaming's canonical nodes (default: the physical nodes of the first run)"
+    )
 
 
 @dataclass
@@ -95,19 +109,27 @@ class ObjectiveArgs:
     """The objective and its loss settings (the papers' values as defaults, docs/objectives.md)."""
 
     objective: Optional[str] = cli.knob(None, "what to train", choices=OBJECTIVES, required=True)
-    nsp: Optional[str] = cli.knob(None, "next-sentence prediction (default: on for tacl, off for taco, auto = on "
-                                        "for nsp shards for mlm)", choices=("auto", "on", "off"))
+    nsp: Optional[str] = cli.knob(
+        None,
+        "next-sentence prediction (default: on for tacl, off for taco, auto = on for nsp shards for mlm)",
+        choices=("auto", "on", "off"),
+    )
     tacl_temperature: float = cli.knob(0.01, "TaCL's tau")
-    tacl_negatives: str = cli.knob("sequence", "sequence (paper) | global (adds a cross-rank pool)",
-                                   choices=("sequence", "global"))
+    tacl_negatives: str = cli.knob(
+        "sequence", "sequence (paper) | global (adds a cross-rank pool)", choices=("sequence", "global")
+    )
     tacl_num_pool: int = cli.knob(0, "TaCL's cross-rank pool rows (with --tacl_negatives global)")
     taco_temperature: float = cli.knob(0.07, "TACO's tau")
     taco_window: int = cli.knob(5, "TACO's positive window (odd; 5 = offsets -2..+2)")
     taco_num_negatives: int = cli.knob(50, "TACO's negatives per anchor")
     taco_anchors: str = cli.knob("all", "which tokens are TACO anchors", choices=("all", "masked", "unmasked"))
     taco_lambda: float = cli.knob(1.0, "weight of TACO's TC loss")
-    taco_detach: bool = cli.knob(True, "let gradients flow into TACO's positives and negatives (an ablation)",
-                                 flag="--taco_no_detach", invert=True)
+    taco_detach: bool = cli.knob(
+        True,
+        "let gradients flow into TACO's positives and negatives (an ablation)",
+        flag="--taco_no_detach",
+        invert=True,
+    )
 
 
 @dataclass
@@ -116,38 +138,57 @@ class ScheduleArgs:
 
     max_steps: int = cli.knob(0, "optimizer steps", required=True)
     lr: Optional[float] = cli.knob(None, "peak learning rate (default: the objective's paper value)")
-    warmup_steps: Optional[int] = cli.knob(None, "linear warm-up steps (default: the objective's paper value, "
-                                                 "at most 10% of --max_steps)")
+    warmup_steps: Optional[int] = cli.knob(
+        None, "linear warm-up steps (default: the objective's paper value, at most 10% of --max_steps)"
+    )
 
 
 @dataclass
 class RunArgs:
     """Where things go, how often, and how the job behaves on failures."""
 
-    ds_config: str = cli.knob("", "DeepSpeed JSON (micro-batch, accumulation, precision, ZeRO)", required=True,
-                              math=False)
+    ds_config: str = cli.knob(
+        "", "DeepSpeed JSON (micro-batch, accumulation, precision, ZeRO)", required=True, math=False
+    )
     save_dir: str = cli.knob("", "run folder: checkpoints, metrics, config", required=True, math=False)
-    resume: str = cli.knob("none", "auto: continue from the run's latest complete checkpoint",
-                           choices=("none", "auto"), math=False)
-    extend_schedule: bool = cli.knob(False, "on resume, allow a larger --max_steps than the run started with "
-                                            "(the linear decay is recomputed for the new total)", math=False)
+    resume: str = cli.knob(
+        "none", "auto: continue from the run's latest complete checkpoint", choices=("none", "auto"), math=False
+    )
+    extend_schedule: bool = cli.knob(
+        False,
+        "on resume, allow a larger --max_steps than the run started with "
+        "(the linear decay is recomputed for the new total)",
+        math=False,
+    )
     export_dir: Optional[str] = cli.knob(None, "write the final student as a Hugging Face folder", math=False)
     save_every: int = cli.knob(1000, "checkpoint every N steps", math=False)
     keep_checkpoints: int = cli.knob(3, "complete checkpoints kept", math=False)
     seed: int = cli.knob(0, "seed of every random draw (initialisation, masking, dropout, losses)")
-    dist_timeout_s: float = cli.knob(600.0, "a collective waits at most this long (a dead rank fails the others)",
-                                     math=False)
+    dist_timeout_s: float = cli.knob(
+        600.0, "a collective waits at most this long (a dead rank fails the others)", math=False
+    )
     log_every: int = cli.knob(10, "metrics line every N steps", math=False)
-    control_every: int = cli.knob(10, "every N steps (and at log steps) the ranks agree on pre-emption and on the "
-                                      "non-finite limit: one small collective", math=False)
+    control_every: int = cli.knob(
+        10,
+        "every N steps (and at log steps) the ranks agree on pre-emption and on the "
+        "non-finite limit: one small collective",
+        math=False,
+    )
     max_nonfinite: int = cli.knob(5, "abort after N NaN/inf losses in a row", math=False)
     trace_samples: bool = cli.knob(False, "write RUN/sample_trace.jsonl: the sample ids of every step", math=False)
     peak_tflops: Optional[float] = cli.knob(None, "device peak for MFU (default: built-in table)", math=False)
-    progress_bar: str = cli.knob("auto", "tqdm on rank 0; auto = only when stderr is a terminal (a bar in a batch "
-                                         "log would share lines with the log lines)", choices=("auto", "on", "off"),
-                                 math=False)
-    stop_after_step: Optional[int] = cli.knob(None, "save and exit 0 after this step (a chunk of a longer run; the "
-                                                    "schedule still spans --max_steps)", math=False)
+    progress_bar: str = cli.knob(
+        "auto",
+        "tqdm on rank 0; auto = only when stderr is a terminal (a bar in a batch "
+        "log would share lines with the log lines)",
+        choices=("auto", "on", "off"),
+        math=False,
+    )
+    stop_after_step: Optional[int] = cli.knob(
+        None,
+        "save and exit 0 after this step (a chunk of a longer run; the schedule still spans --max_steps)",
+        math=False,
+    )
     # Fault injection for tests of the NaN guard: the loss of rank `debug_nan_rank` is made NaN at these
     # steps, on the first `debug_nan_attempts` micro-batches of each.
     debug_nan_steps: tuple[int, ...] = cli.knob((), hidden=True, parse=_int_tuple, math=False)
@@ -155,8 +196,13 @@ class RunArgs:
     debug_nan_attempts: int = cli.knob(1, hidden=True, math=False)
 
 
-SECTIONS: dict[str, type] = {"model": ModelArgs, "data": DataArgs, "objective": ObjectiveArgs,
-                             "schedule": ScheduleArgs, "run": RunArgs}
+SECTIONS: dict[str, type] = {
+    "model": ModelArgs,
+    "data": DataArgs,
+    "objective": ObjectiveArgs,
+    "schedule": ScheduleArgs,
+    "run": RunArgs,
+}
 # What the trainer records in RUN/config.json beside the sections (pipeline.training.trainer.resolved_record):
 # facts of the run, not settings; a replayed file skips them.
 RECORD_KEYS = ("deepspeed", "engine", "data_format", "nsp", "tokenizer", "max_seq_len", "samples", "bert_config")
@@ -181,9 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pipeline/train.py",
         description="Pre-train a BERT student with DeepSpeed ZeRO-2 (objectives: tacl, taco, mlm). Flags override a "
-                    "--config file, which overrides the defaults shown.")
-    p.add_argument("--config", help="JSON or YAML file of sections model/data/objective/schedule/run (a run's "
-                                    "RUN/config.json replays that run); flags given here override it")
+        "--config file, which overrides the defaults shown.",
+    )
+    p.add_argument(
+        "--config",
+        help="JSON or YAML file of sections model/data/objective/schedule/run (a run's "
+        "RUN/config.json replays that run); flags given here override it",
+    )
     p.add_argument("--print_config", action="store_true", help="print the resolved configuration as JSON and exit")
     for key, cls in SECTIONS.items():
         cli.add_arguments(p.add_argument_group(key), cls)
@@ -207,8 +257,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainConfig:
             model_file.pop(other, None)
     if "model" in file_values:
         file_values = {**file_values, "model": model_file}
-    parts = cli.merge_sections(SECTIONS, file_values=file_values, cli_values=cli_values, source=source,
-                               ignored=RECORD_KEYS)
+    parts = cli.merge_sections(
+        SECTIONS, file_values=file_values, cli_values=cli_values, source=source, ignored=RECORD_KEYS
+    )
     # What argparse would have refused had no --config file been possible: its usage error, exit 2.
     missing = cli.missing_required(parts)
     if missing:
@@ -242,8 +293,10 @@ def resolve_defaults(cfg: TrainConfig) -> None:
     s.warmup_steps = d["warmup_steps"]
     if s.warmup_steps >= s.max_steps:
         capped = int(round(0.1 * s.max_steps))
-        cfg.notes.append(f"warm-up: the {o.objective} default of {s.warmup_steps} steps is not shorter than "
-                         f"--max_steps {s.max_steps}; using {capped} (10%); pass --warmup_steps to choose")
+        cfg.notes.append(
+            f"warm-up: the {o.objective} default of {s.warmup_steps} steps is not shorter than "
+            f"--max_steps {s.max_steps}; using {capped} (10%); pass --warmup_steps to choose"
+        )
         s.warmup_steps = capped
 
 
@@ -251,8 +304,10 @@ def validate(cfg: TrainConfig) -> None:
     """Checks on values alone (no files but --model_config's): UsageError naming the flag and the value."""
     m, d, o, s, r = cfg.model, cfg.data, cfg.objective, cfg.schedule, cfg.run
     if (m.model_config is None) == (m.init_from is None):
-        raise UsageError("give exactly one of --model_config (from scratch) and --init_from (a pre-trained folder)"
-                         + (f"; got both: {m.model_config!r} and {m.init_from!r}" if m.model_config else ""))
+        raise UsageError(
+            "give exactly one of --model_config (from scratch) and --init_from (a pre-trained folder)"
+            + (f"; got both: {m.model_config!r} and {m.init_from!r}" if m.model_config else "")
+        )
     if s.max_steps < 1:
         raise UsageError(f"--max_steps must be >= 1, got {s.max_steps}")
     if not s.lr > 0:
@@ -261,9 +316,13 @@ def validate(cfg: TrainConfig) -> None:
         raise UsageError(f"--warmup_steps must be in [0, --max_steps={s.max_steps}), got {s.warmup_steps}")
     if r.stop_after_step is not None and not 1 <= r.stop_after_step <= s.max_steps:
         raise UsageError(f"--stop_after_step must be in [1, --max_steps={s.max_steps}], got {r.stop_after_step}")
-    for flag, value in (("--save_every", r.save_every), ("--keep_checkpoints", r.keep_checkpoints),
-                        ("--log_every", r.log_every), ("--max_nonfinite", r.max_nonfinite),
-                        ("--control_every", r.control_every)):
+    for flag, value in (
+        ("--save_every", r.save_every),
+        ("--keep_checkpoints", r.keep_checkpoints),
+        ("--log_every", r.log_every),
+        ("--max_nonfinite", r.max_nonfinite),
+        ("--control_every", r.control_every),
+    ):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     if not r.dist_timeout_s > 0:
@@ -274,15 +333,18 @@ def validate(cfg: TrainConfig) -> None:
         raise UsageError(f"--num_workers must be >= 0, got {d.num_workers}")
     if d.data_weights is not None:
         if len(d.data_weights) != len(d.data):
-            raise UsageError(f"--data_weights has {len(d.data_weights)} value(s) for {len(d.data)} --data folder(s): "
-                             f"give one weight per --data")
+            raise UsageError(
+                f"--data_weights has {len(d.data_weights)} value(s) for {len(d.data)} --data folder(s): "
+                f"give one weight per --data"
+            )
         if any(not 0 < w < float("inf") for w in d.data_weights):
             raise UsageError(f"--data_weights must be positive and finite, got {d.data_weights}")
     if d.max_seq_len is not None and d.max_seq_len < 2:
         raise UsageError(f"--max_seq_len must be >= 2, got {d.max_seq_len}")
     if m.model_config is not None and m.model_config not in MODEL_PRESETS and not Path(m.model_config).is_file():
-        raise UsageError(f"--model_config {m.model_config!r} is neither one of {MODEL_PRESETS} nor an existing "
-                         f"JSON file")
+        raise UsageError(
+            f"--model_config {m.model_config!r} is neither one of {MODEL_PRESETS} nor an existing JSON file"
+        )
     if o.tacl_negatives == "global" and o.tacl_num_pool < 1:
         raise UsageError("--tacl_negatives global needs --tacl_num_pool >= 1")
     if o.tacl_negatives == "sequence" and o.tacl_num_pool:

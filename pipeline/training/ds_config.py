@@ -4,6 +4,7 @@ The JSON owns micro-batch, gradient accumulation, precision, ZeRO, clipping and 
 pipeline.training.config owns the learning rate, warm-up and total steps, which are filled in here
 once. A JSON that sets one of those too would set it twice, and is refused.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ from preprocessing.errors import UsageError
 if TYPE_CHECKING:
     from pipeline.training.config import ScheduleArgs
 
+
 def load_ds_json(path: str) -> dict[str, Any]:
     """The DeepSpeed config file as a dict, with a clear error for a missing or malformed file."""
     p = Path(path)
@@ -23,7 +25,7 @@ def load_ds_json(path: str) -> dict[str, Any]:
     try:
         return json.loads(p.read_text())
     except json.JSONDecodeError as e:
-        raise UsageError(f"--ds_config {path}: not valid JSON (line {e.lineno}: {e.msg})")
+        raise UsageError(f"--ds_config {path}: not valid JSON (line {e.lineno}: {e.msg})") from e
 
 
 # Knobs this module owns; a DeepSpeed JSON that sets them would set them twice.
@@ -31,7 +33,7 @@ _OWNED_OPTIMIZER_PARAMS = ("lr",)
 _OWNED_SCHEDULER_PARAMS = ("warmup_max_lr", "warmup_num_steps", "total_num_steps")
 
 
-def resolve_ds_config(ds: dict[str, Any], *, schedule: "ScheduleArgs", world_size: int, path: str) -> dict[str, Any]:
+def resolve_ds_config(ds: dict[str, Any], *, schedule: ScheduleArgs, world_size: int, path: str) -> dict[str, Any]:
     """Check the DeepSpeed JSON and fill in the schedule's numbers. Returns a new dict.
 
     Raises UsageError when the JSON lacks a micro-batch, when its batch sizes cannot hold for
@@ -42,36 +44,46 @@ def resolve_ds_config(ds: dict[str, Any], *, schedule: "ScheduleArgs", world_siz
     micro = ds.get("train_micro_batch_size_per_gpu")
     accum = ds.get("gradient_accumulation_steps")
     total = ds.get("train_batch_size")
-    for name, v in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accum),
-                    ("train_batch_size", total)):
+    for name, v in (
+        ("train_micro_batch_size_per_gpu", micro),
+        ("gradient_accumulation_steps", accum),
+        ("train_batch_size", total),
+    ):
         if v is not None and (not isinstance(v, int) or v < 1):
             raise UsageError(f"--ds_config {path}: {name} must be a positive integer, got {v!r}")
     if micro is None:
-        raise UsageError(f"--ds_config {path}: set train_micro_batch_size_per_gpu (and gradient_accumulation_steps); "
-                         f"the global batch then follows the world size")
+        raise UsageError(
+            f"--ds_config {path}: set train_micro_batch_size_per_gpu (and gradient_accumulation_steps); "
+            f"the global batch then follows the world size"
+        )
     if total is not None:
         per_step = micro * world_size * (accum or 1)
         if accum is not None and total != per_step or accum is None and total % (micro * world_size):
             raise UsageError(
                 f"--ds_config {path}: train_batch_size={total} does not equal train_micro_batch_size_per_gpu={micro} "
                 f"x gradient_accumulation_steps={accum if accum is not None else '?'} x world size {world_size}; "
-                f"drop train_batch_size from the JSON (it follows the world size) or launch {total // max(micro * (accum or 1), 1)} "
-                f"processes")
+                f"drop train_batch_size from the JSON (it follows the world size) or launch "
+                f"{total // max(micro * (accum or 1), 1)} processes"
+            )
     opt = ds.get("optimizer")
     if opt is not None:
         params = opt.setdefault("params", {})
         for k in _OWNED_OPTIMIZER_PARAMS:
             if k in params:
-                raise UsageError(f"--ds_config {path}: optimizer.params.{k} is set in the JSON; the learning rate "
-                                 f"belongs to --lr (objective default {schedule.lr}); remove it from the JSON")
+                raise UsageError(
+                    f"--ds_config {path}: optimizer.params.{k} is set in the JSON; the learning rate "
+                    f"belongs to --lr (objective default {schedule.lr}); remove it from the JSON"
+                )
         params["lr"] = schedule.lr
     sched = ds.get("scheduler")
     if sched is not None:
         params = sched.setdefault("params", {})
         for k in _OWNED_SCHEDULER_PARAMS:
             if k in params:
-                raise UsageError(f"--ds_config {path}: scheduler.params.{k} is set in the JSON; it belongs to "
-                                 f"--lr/--warmup_steps/--max_steps; remove it from the JSON")
+                raise UsageError(
+                    f"--ds_config {path}: scheduler.params.{k} is set in the JSON; it belongs to "
+                    f"--lr/--warmup_steps/--max_steps; remove it from the JSON"
+                )
         params["warmup_max_lr"] = schedule.lr
         # DeepSpeed needs >= 1 warm-up step; one step at min lr is what 0 would mean anyway.
         params["warmup_num_steps"] = max(1, schedule.warmup_steps)

@@ -5,6 +5,7 @@ export reproduces the engine it came from.
 The weights are the fp32 master weights of the ZeRO optimizer (DeepSpeed's zero_to_fp32 merges the
 per-rank shards), not the bf16 copies the engine computes with: cast to bf16 they are those copies.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,15 +41,17 @@ def load_student(checkpoint_dir: str | Path):
         state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
     if not all(k.startswith(STATE_PREFIX) for k in state):
         raise UsageError(f"--checkpoint {ckpt}: not a pipeline.train checkpoint (unexpected keys)")
-    state = {k[len(STATE_PREFIX):]: v for k, v in state.items()}
+    state = {k[len(STATE_PREFIX) :]: v for k, v in state.items()}
     config = BertConfig.from_pretrained(ckpt / HF_SUBDIR)
     model = BertForPreTraining(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     # Tied weights (the MLM decoder shares the word embeddings) may be stored once.
     tied = {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}
     if set(missing) - tied or unexpected:
-        raise UsageError(f"--checkpoint {ckpt}: weights do not match the saved config "
-                         f"(missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)})")
+        raise UsageError(
+            f"--checkpoint {ckpt}: weights do not match the saved config "
+            f"(missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)})"
+        )
     model.tie_weights()
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(ckpt / HF_SUBDIR)
@@ -103,10 +106,14 @@ def verify_export(net: Any, export_dir: str | Path, *, batch: dict[str, Any], dt
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    torch.save({**{k: v.cpu() for k, v in inputs.items()}, "engine_logits": engine_BLV.cpu(), "dtype": result["dtype"]},
-               out.with_suffix(".pt"))
+    torch.save(
+        {**{k: v.cpu() for k, v in inputs.items()}, "engine_logits": engine_BLV.cpu(), "dtype": result["dtype"]},
+        out.with_suffix(".pt"),
+    )
     if result["max_abs_diff_same_dtype"] > result["tolerance_same_dtype"]:
-        raise RuntimeError(f"the export in {export_dir} does not reproduce the engine's logits: max |diff| "
-                           f"{result['max_abs_diff_same_dtype']:.4g} > {result['tolerance_same_dtype']:.4g} "
-                           f"({out.with_suffix('.json')})")
+        raise RuntimeError(
+            f"the export in {export_dir} does not reproduce the engine's logits: max |diff| "
+            f"{result['max_abs_diff_same_dtype']:.4g} > {result['tolerance_same_dtype']:.4g} "
+            f"({out.with_suffix('.json')})"
+        )
     return result

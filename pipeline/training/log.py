@@ -4,6 +4,7 @@
 Each line is one write, so ranks sharing a log file never interleave within a line. Tests and the
 Slurm scripts match the stable message prefixes (`done: step`, `resumed from`, ...), not whole lines.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,8 +28,9 @@ def setup() -> logging.Logger:
     if not any(getattr(h, "_tokencl", False) for h in _LOGGER.handlers):
         handler = logging.StreamHandler(sys.stdout)
         handler._tokencl = True  # type: ignore[attr-defined]
-        handler.setFormatter(logging.Formatter(f"{PREFIX} %(asctime)s %(levelname)s r%(rank)s %(message)s",
-                                               datefmt="%Y-%m-%d %H:%M:%S"))
+        handler.setFormatter(
+            logging.Formatter(f"{PREFIX} %(asctime)s %(levelname)s r%(rank)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+        )
         handler.addFilter(_RankFilter())
         _LOGGER.addHandler(handler)
         _LOGGER.setLevel(logging.INFO)

@@ -8,6 +8,7 @@ only there), N_layers the encoder-layer parameters, N_head the head's transform.
 teacher's forward, a third of the encoder's training cost: 2 * N_layers * T + 4 * n_layers * D *
 sum_i(L_i^2). The losses themselves are negligible. MFU = FLOPs / s / (peak per device * devices).
 """
+
 from __future__ import annotations
 
 import json
@@ -25,14 +26,29 @@ from pipeline import distributed
 # Dense bf16/fp16 tensor-core peaks (FLOP/s), by a substring of torch.cuda.get_device_name().
 # The first match wins, so more specific names come first.
 PEAK_FLOPS_16BIT: list[tuple[str, float]] = [
-    ("GH200", 989e12), ("H200", 989e12), ("H100", 989e12), ("H800", 989e12),
-    ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12),
-    ("A6000", 155e12), ("A10G", 125e12), ("A10", 125e12), ("L4", 121e12), ("4090", 165e12),
-    ("3090", 71e12), ("V100", 125e12), ("T4", 65e12),
+    ("GH200", 989e12),
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("A6000", 155e12),
+    ("A10G", 125e12),
+    ("A10", 125e12),
+    ("L4", 121e12),
+    ("4090", 165e12),
+    ("3090", 71e12),
+    ("V100", 125e12),
+    ("T4", 65e12),
 ]
 
 
-def device_peak_flops(device: torch.device, *, dtype: torch.dtype, override_tflops: Optional[float] = None) -> Optional[float]:
+def device_peak_flops(
+    device: torch.device, *, dtype: torch.dtype, override_tflops: Optional[float] = None
+) -> Optional[float]:
     """Peak FLOP/s of one device for `dtype`, or None where we do not know it (CPU, fp32, an
     unlisted GPU): MFU is then reported as null rather than guessed."""
     if override_tflops is not None:
@@ -98,8 +114,9 @@ class Meter:
     def exclude(self, seconds: float) -> None:
         self.excluded += seconds
 
-    def add(self, values: dict[str, torch.Tensor], *, ok: torch.Tensor, tokens: int, samples: int,
-            flops: float) -> None:
+    def add(
+        self, values: dict[str, torch.Tensor], *, ok: torch.Tensor, tokens: int, samples: int, flops: float
+    ) -> None:
         """One micro-batch: its terms (device or CPU scalars) count where `ok` (a device bool) holds."""
         terms = torch.stack([values[k].to(self.device, torch.float64) for k in self.keys] + [ok.to(torch.float64)])
         self.sums += torch.where(ok, terms, torch.zeros_like(terms))
@@ -113,7 +130,7 @@ class Meter:
         elapsed, steps = max(time.perf_counter() - self.t0 - self.excluded, 1e-9), self.steps
         counts = torch.tensor([self.counts[k] for k in self.COUNTS], dtype=torch.float64).to(self.device)
         summed = distributed.sum_over_ranks(torch.cat([self.sums, counts])).tolist()
-        terms, finite, totals = summed[:len(self.keys)], summed[len(self.keys)], summed[len(self.keys) + 1:]
+        terms, finite, totals = summed[: len(self.keys)], summed[len(self.keys)], summed[len(self.keys) + 1 :]
         out = {k: v / max(finite, 1.0) for k, v in zip(self.keys, terms)}
         out.update(zip(self.COUNTS, totals))
         self._restart()

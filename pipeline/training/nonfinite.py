@@ -7,6 +7,7 @@ zero, so zeroing the loss alone would not do). Device counters keep the streak o
 micro-batches; the host reads them only at control steps, where every rank decides together whether
 --max_nonfinite in a row was reached (pipeline.training.trainer).
 """
+
 from __future__ import annotations
 
 import torch

@@ -3,6 +3,7 @@
 
 Legend: B sequences, L positions, D hidden size, N masked positions.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,8 +18,11 @@ if TYPE_CHECKING:
 
 def metric_keys(objective: str, *, nsp: bool) -> list[str]:
     """The loss terms and accuracies an objective logs, in order."""
-    return ["loss", "mlm_loss", "mlm_acc"] + (["nsp_loss", "nsp_acc"] if nsp else []) + \
-        {"tacl": ["tacl_loss", "tacl_acc"], "taco": ["tc_loss", "tc_acc"], "mlm": []}[objective]
+    return (
+        ["loss", "mlm_loss", "mlm_acc"]
+        + (["nsp_loss", "nsp_acc"] if nsp else [])
+        + {"tacl": ["tacl_loss", "tacl_acc"], "taco": ["tc_loss", "tc_acc"], "mlm": []}[objective]
+    )
 
 
 @dataclass
@@ -29,8 +33,9 @@ class StepLosses:
     values: dict[str, torch.Tensor]
 
 
-def compute_losses(prep: "Prepared", out: dict[str, torch.Tensor], batch: dict, *, teacher: Optional["Encoder"],
-                   generator: torch.Generator) -> StepLosses:
+def compute_losses(
+    prep: Prepared, out: dict[str, torch.Tensor], batch: dict, *, teacher: Optional[Encoder], generator: torch.Generator
+) -> StepLosses:
     """The objective's total loss for one micro-batch, and each term with its accuracy. `batch` is the
     collator's (pipeline.data.collator) on the device: its indices and counts spare every term a
     device read."""
@@ -47,21 +52,41 @@ def compute_losses(prep: "Prepared", out: dict[str, torch.Tensor], batch: dict, 
     if o.objective == "tacl":
         with torch.no_grad():
             teacher_BLD = run_encoder(teacher, batch, ids="original_ids")[0]
-        tacl, m = losses.tacl_loss(out["hidden"], teacher_BLD=teacher_BLD, masked_BL=batch["masked"],
-                                   attention_mask_BL=batch["attention_mask"], temperature=o.tacl_temperature,
-                                   negatives=o.tacl_negatives, num_pool=o.tacl_num_pool, generator=generator,
-                                   anchor_flat_N=batch["masked_grid_index"], real_flat_T=batch["grid_index"])
+        tacl, m = losses.tacl_loss(
+            out["hidden"],
+            teacher_BLD=teacher_BLD,
+            masked_BL=batch["masked"],
+            attention_mask_BL=batch["attention_mask"],
+            temperature=o.tacl_temperature,
+            negatives=o.tacl_negatives,
+            num_pool=o.tacl_num_pool,
+            generator=generator,
+            anchor_flat_N=batch["masked_grid_index"],
+            real_flat_T=batch["grid_index"],
+        )
         total = total + tacl
         values.update(tacl_loss=m["loss"], tacl_acc=m["acc"])
     elif o.objective == "taco":
-        anchors = {"all": batch["grid_index"], "masked": batch["masked_grid_index"],
-                   "unmasked": batch["unmasked_grid_index"]}[o.taco_anchors]
-        tc, m = losses.taco_loss(out["hidden"], embeddings_BLD=out["embeddings"],
-                                 attention_mask_BL=batch["attention_mask"], anchors=o.taco_anchors,
-                                 masked_BL=batch["masked"], window=o.taco_window, num_negatives=o.taco_num_negatives,
-                                 temperature=o.taco_temperature, detach=o.taco_detach, generator=generator,
-                                 anchor_flat_N=anchors, real_flat_T=batch["grid_index"],
-                                 uniform=batch["layout"] == "packed" and o.taco_anchors == "all")
+        anchors = {
+            "all": batch["grid_index"],
+            "masked": batch["masked_grid_index"],
+            "unmasked": batch["unmasked_grid_index"],
+        }[o.taco_anchors]
+        tc, m = losses.taco_loss(
+            out["hidden"],
+            embeddings_BLD=out["embeddings"],
+            attention_mask_BL=batch["attention_mask"],
+            anchors=o.taco_anchors,
+            masked_BL=batch["masked"],
+            window=o.taco_window,
+            num_negatives=o.taco_num_negatives,
+            temperature=o.taco_temperature,
+            detach=o.taco_detach,
+            generator=generator,
+            anchor_flat_N=anchors,
+            real_flat_T=batch["grid_index"],
+            uniform=batch["layout"] == "packed" and o.taco_anchors == "all",
+        )
         total = total + o.taco_lambda * tc
         values.update(tc_loss=m["loss"], tc_acc=m["acc"])
     values["loss"] = total.detach().float()

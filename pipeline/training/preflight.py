@@ -6,6 +6,7 @@ model's positions, and the run folder's resume state (a resumed run keeps the ma
 with). A bad job fails here in seconds, before any GPU time is spent, with a UsageError naming the
 flag, file or value.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -45,12 +46,14 @@ def prepare(cfg: TrainConfig) -> Prepared:
     from pipeline.modeling.student import check_init_from
 
     world = distributed.launch_world_size()
-    ds = resolve_ds_config(load_ds_json(cfg.run.ds_config), schedule=cfg.schedule, world_size=world,
-                           path=cfg.run.ds_config)
+    ds = resolve_ds_config(
+        load_ds_json(cfg.run.ds_config), schedule=cfg.schedule, world_size=world, path=cfg.run.ds_config
+    )
     cache_root = cfg.data.cache_dir or default_cache_root(cfg.run.save_dir)
     info = inspect_data(cfg.data.data, cache_root=cache_root, max_seq_len=cfg.data.max_seq_len)
-    use_nsp = check_objective_against_data(cfg.objective.objective, nsp=cfg.objective.nsp, fmt=info.format,
-                                           paths=cfg.data.data)
+    use_nsp = check_objective_against_data(
+        cfg.objective.objective, nsp=cfg.objective.nsp, fmt=info.format, paths=cfg.data.data
+    )
     tok_dir = cfg.model.tokenizer or info.tokenizer_dir
     if tok_dir is None and cfg.model.init_from and (Path(cfg.model.init_from) / "vocab.txt").is_file():
         tok_dir = cfg.model.init_from
@@ -61,28 +64,46 @@ def prepare(cfg: TrainConfig) -> Prepared:
     try:
         tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     except Exception as e:  # transformers raises OSError/ValueError/... for unreadable folders
-        raise UsageError(f"--tokenizer {tok_dir}: cannot load a tokenizer ({type(e).__name__}: {e})")
+        raise UsageError(f"--tokenizer {tok_dir}: cannot load a tokenizer ({type(e).__name__}: {e})") from e
     for name in ("mask_token_id", "pad_token_id", "cls_token_id", "sep_token_id"):
         if getattr(tokenizer, name) is None:
-            raise UsageError(f"--tokenizer {tok_dir}: no {name.replace('_id', '')}; a BERT tokenizer needs "
-                             f"[PAD] [CLS] [SEP] [MASK]")
+            raise UsageError(
+                f"--tokenizer {tok_dir}: no {name.replace('_id', '')}; a BERT tokenizer needs [PAD] [CLS] [SEP] [MASK]"
+            )
     if cfg.model.init_from:
         source = f"--init_from {cfg.model.init_from}"
         bcfg = check_init_from(cfg.model.init_from)
     else:
         source = f"--model_config {cfg.model.model_config}"
         bcfg = bert_config(cfg.model.model_config, vocab_size=len(tokenizer))
-    check_vocab(model_vocab=bcfg.vocab_size, tokenizer_size=len(tokenizer), tokenizer_dir=tok_dir,
-                data_vocab=info.manifest_vocab_size, model_source=source)
+    check_vocab(
+        model_vocab=bcfg.vocab_size,
+        tokenizer_size=len(tokenizer),
+        tokenizer_dir=tok_dir,
+        data_vocab=info.manifest_vocab_size,
+        model_source=source,
+    )
     check_positions(max_seq_len=info.max_seq_len, config=bcfg, model_source=source)
     found = checkpoint.latest_checkpoint(cfg.run.save_dir)
     if found and cfg.run.resume == "none":
-        raise UsageError(f"--save_dir {cfg.run.save_dir} already holds checkpoint {found[1].name}: pass --resume auto "
-                         f"to continue it, or choose a new --save_dir")
+        raise UsageError(
+            f"--save_dir {cfg.run.save_dir} already holds checkpoint {found[1].name}: pass --resume auto "
+            f"to continue it, or choose a new --save_dir"
+        )
     resume_from = found if cfg.run.resume == "auto" else None
     notes = check_resume(cfg, ds=ds, world_size=world, checkpoint_dir=resume_from[1]) if resume_from else []
-    return Prepared(cfg=cfg, ds_config=ds, data=info, use_nsp=use_nsp, tokenizer=tokenizer, tokenizer_dir=tok_dir,
-                    bert_config=bcfg, world_size=world, resume_from=resume_from, resume_notes=notes)
+    return Prepared(
+        cfg=cfg,
+        ds_config=ds,
+        data=info,
+        use_nsp=use_nsp,
+        tokenizer=tokenizer,
+        tokenizer_dir=tok_dir,
+        bert_config=bcfg,
+        world_size=world,
+        resume_from=resume_from,
+        resume_notes=notes,
+    )
 
 
 def check_resume(cfg: TrainConfig, *, ds: dict[str, Any], world_size: int, checkpoint_dir: Path) -> list[str]:
@@ -95,30 +116,49 @@ def check_resume(cfg: TrainConfig, *, ds: dict[str, Any], world_size: int, check
     where = f"--resume auto from {checkpoint_dir}"
     saved_world = saved.get("engine", {}).get("world_size")
     if saved_world is not None and saved_world != world_size:
-        raise UsageError(f"{where}: the run was trained on {saved_world} rank(s), this launch has {world_size}; "
-                         f"resume with {saved_world} ranks (the optimizer shards and the data order are per rank), "
-                         f"or start a new --save_dir")
+        raise UsageError(
+            f"{where}: the run was trained on {saved_world} rank(s), this launch has {world_size}; "
+            f"resume with {saved_world} ranks (the optimizer shards and the data order are per rank), "
+            f"or start a new --save_dir"
+        )
     math, allowed = resume_changes(saved, cfg)
     math.update(_deepspeed_changes(saved.get("deepspeed"), ds))
     if math:
         listing = "; ".join(f"{key}: saved {before!r}, now {after!r}" for key, (before, after) in sorted(math.items()))
         hint = " (a longer --max_steps needs --extend_schedule)" if "schedule.max_steps" in math else ""
-        raise UsageError(f"{where}: these settings differ from the run's and would change what it computes: "
-                         f"{listing}{hint}; resume with the saved values or start a new --save_dir")
+        raise UsageError(
+            f"{where}: these settings differ from the run's and would change what it computes: "
+            f"{listing}{hint}; resume with the saved values or start a new --save_dir"
+        )
     return [f"resume: {key} {before!r} -> {after!r}" for key, (before, after) in sorted(allowed.items())]
 
 
 # Filled from --lr/--warmup_steps/--max_steps (compared as those knobs), not owned by the JSON.
-_SCHEDULE_FILLED = {("optimizer", "params", "lr"), ("scheduler", "params", "warmup_max_lr"),
-                    ("scheduler", "params", "warmup_num_steps"), ("scheduler", "params", "total_num_steps")}
+_SCHEDULE_FILLED = {
+    ("optimizer", "params", "lr"),
+    ("scheduler", "params", "warmup_max_lr"),
+    ("scheduler", "params", "warmup_num_steps"),
+    ("scheduler", "params", "total_num_steps"),
+}
 
 
 # DeepSpeed settings that change speed, memory or logging but not the numbers a step computes.
-_DEEPSPEED_OPERATIONAL = ("steps_per_print", "wall_clock_breakdown", "comms_logger", "flops_profiler", "tensorboard",
-                          "wandb", "csv_monitor", "timers", "zero_optimization.allgather_bucket_size",
-                          "zero_optimization.reduce_bucket_size", "zero_optimization.overlap_comm",
-                          "zero_optimization.contiguous_gradients", "zero_optimization.allgather_partitions",
-                          "zero_optimization.reduce_scatter")
+_DEEPSPEED_OPERATIONAL = (
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "comms_logger",
+    "flops_profiler",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "timers",
+    "zero_optimization.allgather_bucket_size",
+    "zero_optimization.reduce_bucket_size",
+    "zero_optimization.overlap_comm",
+    "zero_optimization.contiguous_gradients",
+    "zero_optimization.allgather_partitions",
+    "zero_optimization.reduce_scatter",
+)
 
 
 def _deepspeed_changes(saved: Optional[dict], now: dict) -> dict[str, tuple]:

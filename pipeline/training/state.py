@@ -2,6 +2,7 @@
 loader's position, the skipped micro-batches, every rank's RNG states and the TaCL teacher's
 fingerprint. They travel in the checkpoint's client state; `save` and `resume` are the two ends.
 """
+
 from __future__ import annotations
 
 import random
@@ -34,7 +35,7 @@ def set_rng_states(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(run: "Run") -> Path:
+def save(run: Run) -> Path:
     """A checkpoint at run.step (every rank calls it: a collective)."""
     tok, config = run.prep.tokenizer, run.engine.module.config
 
@@ -48,14 +49,27 @@ def save(run: "Run") -> Path:
 
         # The frozen teacher must be exactly the initial encoder at every checkpoint.
         assert fingerprint(run.teacher.bert) == run.teacher_print, "the TaCL teacher's weights changed during training"
-    client = {"step": run.step, "loader": run.loader.state_dict(), "skipped_micro_batches": run.skipped,
-              "rng": distributed.all_gather_object(rng_states()), "world_size": distributed.world_size(),
-              "teacher_fingerprint": run.teacher_print, "config": run.resolved}
-    return checkpoint.save(run.engine, save_dir=run.save_dir, step=run.step, client_state=client,
-                           keep=run.prep.cfg.run.keep_checkpoints, write_extras=write_extras, run_config=run.resolved)
+    client = {
+        "step": run.step,
+        "loader": run.loader.state_dict(),
+        "skipped_micro_batches": run.skipped,
+        "rng": distributed.all_gather_object(rng_states()),
+        "world_size": distributed.world_size(),
+        "teacher_fingerprint": run.teacher_print,
+        "config": run.resolved,
+    }
+    return checkpoint.save(
+        run.engine,
+        save_dir=run.save_dir,
+        step=run.step,
+        client_state=client,
+        keep=run.prep.cfg.run.keep_checkpoints,
+        write_extras=write_extras,
+        run_config=run.resolved,
+    )
 
 
-def resume(run: "Run", path: Path) -> None:
+def resume(run: Run, path: Path) -> None:
     """Load the checkpoint at `path` into the engine and the run (every rank)."""
     client = checkpoint.load(run.engine, path)
     run.step, run.skipped = int(client["step"]), int(client.get("skipped_micro_batches", 0))
@@ -64,6 +78,8 @@ def resume(run: "Run", path: Path) -> None:
         set_rng_states(client["rng"][distributed.rank()])
     if run.teacher_print is not None and client.get("teacher_fingerprint") not in (None, run.teacher_print):
         cfg = run.prep.cfg
-        raise UsageError(f"the TaCL teacher rebuilt from {cfg.model.init_from or cfg.model.model_config} differs "
-                         f"from the one this run started with; resume with the same --init_from/--model_config/--seed")
+        raise UsageError(
+            f"the TaCL teacher rebuilt from {cfg.model.init_from or cfg.model.model_config} differs "
+            f"from the one this run started with; resume with the same --init_from/--model_config/--seed"
+        )
     log.info(f"resumed from {path} at step {run.step}")

@@ -18,6 +18,7 @@ control steps (--control_every and every log step), with one small collective of
 
 Legend: B sequences per micro-batch, L positions.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,10 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -36,8 +38,8 @@ from pipeline import distributed
 from pipeline.data.collator import MaskingCollator
 from pipeline.data.loader import build_loader, shutdown_loader
 from pipeline.data.masking import MaskingSpec
-from pipeline.modeling.encoder import Encoder
 from pipeline.data.shards import run_key
+from pipeline.modeling.encoder import Encoder
 from pipeline.training import checkpoint, log, state
 from pipeline.training.config import RECORD_KEYS
 from pipeline.training.metrics import FlopsModel, Meter, MetricsWriter, device_peak_flops, memory_gb, progress_bar
@@ -87,7 +89,9 @@ def build_student(prep: Prepared, *, compile: bool = False):
         lines = report.lines()
     else:
         net = BertForPreTraining(prep.bert_config)
-        lines = [f"model {prep.cfg.model.model_config}: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M parameters"]
+        lines = [
+            f"model {prep.cfg.model.model_config}: {sum(p.numel() for p in net.parameters()) / 1e6:.2f}M parameters"
+        ]
     return Student(net, full_head=prep.cfg.model.mlm_head == "full", compile=compile), lines
 
 
@@ -143,11 +147,12 @@ def setup(prep: Prepared, *, batches: Optional[Any] = None) -> Run:
     if gpu is not None:
         torch.cuda.set_device(gpu)
     distributed.bound_new_group_timeouts(timeout_s=cfg.run.dist_timeout_s)
-    distributed.init_process_group(backend=distributed.default_backend(), timeout_s=cfg.run.dist_timeout_s,
-                                   device=gpu)
+    distributed.init_process_group(backend=distributed.default_backend(), timeout_s=cfg.run.dist_timeout_s, device=gpu)
     local = distributed.local_rank()
-    log.every_rank(f"rank {distributed.rank()} of world_size {distributed.world_size()} (local_rank {local}, "
-                   f"host {distributed.hostname()})")
+    log.every_rank(
+        f"rank {distributed.rank()} of world_size {distributed.world_size()} (local_rank {local}, "
+        f"host {distributed.hostname()})"
+    )
     if gpu is None and "OMP_NUM_THREADS" not in os.environ:
         # Ranks sharing a CPU would each start a thread per core and thrash.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // distributed.local_world_size()))
@@ -159,10 +164,12 @@ def setup(prep: Prepared, *, batches: Optional[Any] = None) -> Run:
     for line in init_lines:
         log.info(line)
     # The teacher is the student's *initial* encoder: copy it before the engine trains or casts it.
-    teacher = build_teacher(student, dtype=torch.float32, device=torch.device("cpu")) \
-        if cfg.objective.objective == "tacl" else None
-    engine, _, _, _ = deepspeed.initialize(model=student, model_parameters=param_groups(student),
-                                           config=prep.ds_config)
+    teacher = (
+        build_teacher(student, dtype=torch.float32, device=torch.device("cpu"))
+        if cfg.objective.objective == "tacl"
+        else None
+    )
+    engine, _, _, _ = deepspeed.initialize(model=student, model_parameters=param_groups(student), config=prep.ds_config)
     # Batch and precision as the engine resolved them (the JSON is their only owner).
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     dtype, device = engine_dtype(engine), engine.device
@@ -174,30 +181,65 @@ def setup(prep: Prepared, *, batches: Optional[Any] = None) -> Run:
 
     if batches is None:
         workers = cfg.data.num_workers if cfg.data.num_workers is not None else default_workers()
-        loader = build_loader(prep.data, weights=cfg.data.data_weights, micro_batch=micro, collator=make_collator(prep),
-                              vocab_size=len(prep.tokenizer), seed=cfg.run.seed, num_workers=workers,
-                              num_canonical_nodes=cfg.data.num_canonical_nodes, run_id=run_key(cfg.run.save_dir),
-                              pin_memory=device.type == "cuda", timeout_s=cfg.run.dist_timeout_s)
+        loader = build_loader(
+            prep.data,
+            weights=cfg.data.data_weights,
+            micro_batch=micro,
+            collator=make_collator(prep),
+            vocab_size=len(prep.tokenizer),
+            seed=cfg.run.seed,
+            num_workers=workers,
+            num_canonical_nodes=cfg.data.num_canonical_nodes,
+            run_id=run_key(cfg.run.save_dir),
+            pin_memory=device.type == "cuda",
+            timeout_s=cfg.run.dist_timeout_s,
+        )
     else:
         loader = batches
     world = distributed.world_size()
-    record = {"deepspeed": prep.ds_config,
-              "engine": {"micro_batch_per_rank": micro, "gradient_accumulation_steps": accum, "world_size": world,
-                         "global_batch": micro * accum * world, "dtype": str(dtype).replace("torch.", ""),
-                         "device": str(device)},
-              "data_format": prep.data.format, "nsp": prep.use_nsp, "tokenizer": prep.tokenizer_dir,
-              "max_seq_len": prep.data.max_seq_len, "samples": prep.data.samples,
-              "bert_config": prep.bert_config.to_dict()}
+    record = {
+        "deepspeed": prep.ds_config,
+        "engine": {
+            "micro_batch_per_rank": micro,
+            "gradient_accumulation_steps": accum,
+            "world_size": world,
+            "global_batch": micro * accum * world,
+            "dtype": str(dtype).replace("torch.", ""),
+            "device": str(device),
+        },
+        "data_format": prep.data.format,
+        "nsp": prep.use_nsp,
+        "tokenizer": prep.tokenizer_dir,
+        "max_seq_len": prep.data.max_seq_len,
+        "samples": prep.data.samples,
+        "bert_config": prep.bert_config.to_dict(),
+    }
     assert tuple(record) == RECORD_KEYS, (tuple(record), RECORD_KEYS)
     resolved = {**cfg.to_dict(), **record}
     layer_params, head_params = non_embedding_params(student.config)
     c = student.config
-    run = Run(prep=prep, engine=engine, teacher=Encoder(teacher) if teacher is not None else None,
-              teacher_print=fingerprint(teacher) if teacher is not None else None, guard=guard,
-              loader=loader, dtype=dtype, device=device, micro=micro, accum=accum, resolved=resolved,
-              flops=FlopsModel(layer_params=layer_params, head_params=head_params, n_layers=c.num_hidden_layers,
-                               hidden=c.hidden_size, vocab=c.vocab_size, teacher=teacher is not None),
-              peak=device_peak_flops(device, dtype=dtype, override_tflops=cfg.run.peak_tflops))
+    run = Run(
+        prep=prep,
+        engine=engine,
+        teacher=Encoder(teacher) if teacher is not None else None,
+        teacher_print=fingerprint(teacher) if teacher is not None else None,
+        guard=guard,
+        loader=loader,
+        dtype=dtype,
+        device=device,
+        micro=micro,
+        accum=accum,
+        resolved=resolved,
+        flops=FlopsModel(
+            layer_params=layer_params,
+            head_params=head_params,
+            n_layers=c.num_hidden_layers,
+            hidden=c.hidden_size,
+            vocab=c.vocab_size,
+            teacher=teacher is not None,
+        ),
+        peak=device_peak_flops(device, dtype=dtype, override_tflops=cfg.run.peak_tflops),
+    )
     if prep.resume_from is not None:
         state.resume(run, prep.resume_from[1])
     run.skipped_at_start = run.skipped
@@ -210,11 +252,21 @@ def setup(prep: Prepared, *, batches: Optional[Any] = None) -> Run:
 def make_collator(prep: Prepared) -> MaskingCollator:
     """The masking collator of a job: its tokenizer's specials, the data's NSP labels and length."""
     cfg, tok = prep.cfg, prep.tokenizer
-    spec = MaskingSpec(mask_token_id=tok.mask_token_id, special_ids=tuple(sorted(set(tok.all_special_ids))),
-                       vocab_size=len(tok), mask_prob=cfg.data.mask_prob, whole_word=cfg.data.whole_word_masking)
-    return MaskingCollator(spec=spec, pad_id=tok.pad_token_id, seed=cfg.run.seed, nsp=prep.use_nsp,
-                           max_seq_len=prep.data.max_seq_len or prep.bert_config.max_position_embeddings,
-                           padding=cfg.data.nsp_padding)
+    spec = MaskingSpec(
+        mask_token_id=tok.mask_token_id,
+        special_ids=tuple(sorted(set(tok.all_special_ids))),
+        vocab_size=len(tok),
+        mask_prob=cfg.data.mask_prob,
+        whole_word=cfg.data.whole_word_masking,
+    )
+    return MaskingCollator(
+        spec=spec,
+        pad_id=tok.pad_token_id,
+        seed=cfg.run.seed,
+        nsp=prep.use_nsp,
+        max_seq_len=prep.data.max_seq_len or prep.bert_config.max_position_embeddings,
+        padding=cfg.data.nsp_padding,
+    )
 
 
 def default_workers() -> int:
@@ -279,7 +331,9 @@ def train_step(run: Run, batches: Batches, meter: Meter, *, mark: Optional[Calla
             mark("forward")
         res = compute_losses(run.prep, out, dev, teacher=run.teacher, generator=gen)
         if step in cfg.run.debug_nan_steps and rank == cfg.run.debug_nan_rank and micro < cfg.run.debug_nan_attempts:
-            res = StepLosses(total=res.total * float("nan"), values={**res.values, "loss": res.values["loss"] * float("nan")})
+            res = StepLosses(
+                total=res.total * float("nan"), values={**res.values, "loss": res.values["loss"] * float("nan")}
+            )
         total = run.guard.check(res.total, step=step)
         if mark:
             mark("loss")
@@ -293,9 +347,13 @@ def train_step(run: Run, batches: Batches, meter: Meter, *, mark: Optional[Calla
             mark("optimizer")
         # The vocabulary projection's rows: the masked ones, or every real one for the full head.
         head_rows = batch["num_tokens"] if cfg.model.mlm_head == "full" else batch["num_masked"]
-        meter.add(res.values, ok=run.guard.ok, tokens=batch["num_tokens"], samples=batch["num_sequences"],
-                  flops=run.flops.batch_flops(tokens=batch["num_tokens"], sum_len_sq=batch["sum_len_sq"],
-                                              masked=head_rows))
+        meter.add(
+            res.values,
+            ok=run.guard.ok,
+            tokens=batch["num_tokens"],
+            samples=batch["num_sequences"],
+            flops=run.flops.batch_flops(tokens=batch["num_tokens"], sum_len_sq=batch["sum_len_sq"], masked=head_rows),
+        )
         run.last_batch = dev
     run.step += 1
     meter.steps += 1
@@ -310,14 +368,18 @@ def control(run: Run, flag: PreemptionFlag) -> Optional[str]:
     usr1, term, worst, last_step = (max(r[i] for r in rows) for i in range(4))
     skipped = run.skipped_at_start + sum(r[4] for r in rows)
     if skipped > run.skipped:
-        log.warning(f"non-finite loss at step {last_step}: micro-batch neutralised ({skipped - run.skipped} since "
-                    f"the last check, {worst} in a row at most)")
+        log.warning(
+            f"non-finite loss at step {last_step}: micro-batch neutralised ({skipped - run.skipped} since "
+            f"the last check, {worst} in a row at most)"
+        )
         run.skipped = skipped
     limit = run.prep.cfg.run.max_nonfinite
     if worst >= limit:
-        raise RuntimeError(f"loss was NaN/inf for {worst} micro-batches in a row, the last at step {last_step}: "
-                           f"stopping (--max_nonfinite {limit}). Lower --lr, check the data, or resume from the last "
-                           f"checkpoint")
+        raise RuntimeError(
+            f"loss was NaN/inf for {worst} micro-batches in a row, the last at step {last_step}: "
+            f"stopping (--max_nonfinite {limit}). Lower --lr, check the data, or resume from the last "
+            f"checkpoint"
+        )
     return "SIGUSR1" if usr1 else "SIGTERM" if term else None
 
 
@@ -328,16 +390,24 @@ def log_record(run: Run, meter: Meter, *, lr: float) -> dict[str, Any]:
     mem, mem_kind = memory_gb(run.device)
     grad_norm = run.engine.get_global_grad_norm()
     flops_per_s = vals["flops"] / elapsed
-    return {"step": run.step, **{k: vals[k] for k in keys}, "lr": lr,
-            "grad_norm": float(grad_norm) if grad_norm is not None else None,
-            "loss_scale": float(getattr(run.engine.optimizer, "loss_scale", 1.0)),
-            "tokens_per_s": vals["tokens"] / elapsed, "samples_per_s": vals["samples"] / elapsed,
-            "tflops_per_s": flops_per_s / 1e12,
-            "mfu": flops_per_s / (run.peak * distributed.world_size()) if run.peak else None,
-            "step_time_s": elapsed / max(steps, 1), "mem_gb": mem, "mem_kind": mem_kind,
-            "skipped_micro_batches": run.skipped,
-            # fp16's dynamic loss scaling skips the optimizer step on overflow (DeepSpeed counts them).
-            "overflow_steps": int(getattr(run.engine, "skipped_steps", 0)), "time": time.time()}
+    return {
+        "step": run.step,
+        **{k: vals[k] for k in keys},
+        "lr": lr,
+        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "loss_scale": float(getattr(run.engine.optimizer, "loss_scale", 1.0)),
+        "tokens_per_s": vals["tokens"] / elapsed,
+        "samples_per_s": vals["samples"] / elapsed,
+        "tflops_per_s": flops_per_s / 1e12,
+        "mfu": flops_per_s / (run.peak * distributed.world_size()) if run.peak else None,
+        "step_time_s": elapsed / max(steps, 1),
+        "mem_gb": mem,
+        "mem_kind": mem_kind,
+        "skipped_micro_batches": run.skipped,
+        # fp16's dynamic loss scaling skips the optimizer step on overflow (DeepSpeed counts them).
+        "overflow_steps": int(getattr(run.engine, "skipped_steps", 0)),
+        "time": time.time(),
+    }
 
 
 def train(prep: Prepared) -> int:
@@ -349,11 +419,11 @@ def train(prep: Prepared) -> int:
     run = writer = bar = None
     try:
         run = setup(prep)
-        writer = MetricsWriter(run.save_dir, enabled=distributed.is_main(), resume_step=run.step,
-                               trace=cfg.run.trace_samples)
+        writer = MetricsWriter(
+            run.save_dir, enabled=distributed.is_main(), resume_step=run.step, trace=cfg.run.trace_samples
+        )
         show_bar = cfg.run.progress_bar == "on" or (cfg.run.progress_bar == "auto" and sys.stderr.isatty())
-        bar = progress_bar(enabled=distributed.is_main() and show_bar, total=cfg.schedule.max_steps,
-                           initial=run.step)
+        bar = progress_bar(enabled=distributed.is_main() and show_bar, total=cfg.schedule.max_steps, initial=run.step)
         stopped = loop(run, flag, writer=writer, bar=bar)
         if stopped is None:
             finish(run)
@@ -418,10 +488,12 @@ def finish(run: Run) -> None:
         batch = run.last_batch
         if batch is None:  # nothing trained in this process (resumed at max_steps)
             batch = to_device(next(iter(run.loader)), run.device)
-        check = verify_export(run.engine.module.net, cfg.run.export_dir, batch=batch, dtype=run.dtype,
-                              out=run.save_dir / "export_check")
-        log.info(f"exported the student to {cfg.run.export_dir} (logits vs the engine: max |diff| "
-            f"{check['max_abs_diff_same_dtype']:.3g} in {check['dtype']}, {check['max_abs_diff_fp32']:.3g} in fp32)")
+        check = verify_export(
+            run.engine.module.net, cfg.run.export_dir, batch=batch, dtype=run.dtype, out=run.save_dir / "export_check"
+        )
+        log.info(
+            f"exported the student to {cfg.run.export_dir} (logits vs the engine: max |diff| "
+            f"{check['max_abs_diff_same_dtype']:.3g} in {check['dtype']}, {check['max_abs_diff_fp32']:.3g} in fp32)"
+        )
     distributed.barrier()
     log.info(f"done: step {run.step}")
-

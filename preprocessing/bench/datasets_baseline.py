@@ -6,6 +6,7 @@ datasets `load_dataset("text")` + `map(num_proc=2)` with the same tokenizer, HF 
 group_texts packing (with [CLS] in front of each block), then a streaming MDSWriter loop. Prints one
 JSON line with the sample count and the phase times.
 """
+
 import json
 import sys
 import time
@@ -17,7 +18,7 @@ def group_texts(batch, *, tok, L):
     """HF run_mlm.py's packing, with [CLS] in front of each block."""
     flat = [t for ids in batch["input_ids"] for t in ids + [tok.sep_token_id]]
     n = len(flat) // (L - 1) * (L - 1)
-    return {"input_ids": [[tok.cls_token_id] + flat[i:i + L - 1] for i in range(0, n, L - 1)]}
+    return {"input_ids": [[tok.cls_token_id] + flat[i : i + L - 1] for i in range(0, n, L - 1)]}
 
 
 def main(argv: list[str]) -> int:
@@ -32,8 +33,12 @@ def main(argv: list[str]) -> int:
     ds = load_dataset("text", data_files=path, split="train", cache_dir=cache)
     ds = ds.filter(lambda b: [bool(t.strip()) for t in b["text"]], batched=True, num_proc=2)
     t_load = time.time() - t0
-    ds = ds.map(lambda b: tok(b["text"], add_special_tokens=False, return_attention_mask=False,
-                              return_token_type_ids=False), batched=True, num_proc=2, remove_columns=["text"])
+    ds = ds.map(
+        lambda b: tok(b["text"], add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False),
+        batched=True,
+        num_proc=2,
+        remove_columns=["text"],
+    )
     ds = ds.map(group_texts, fn_kwargs={"tok": tok, "L": L}, batched=True, num_proc=2, remove_columns=ds.column_names)
     t_map = time.time() - t0
     columns = {"input_ids": "ndarray:uint16", "token_type_ids": "ndarray:uint8", "lang": "str"}
@@ -41,8 +46,11 @@ def main(argv: list[str]) -> int:
     with MDSWriter(out=out, columns=columns, compression="zstd", hashes=["xxh64"], size_limit="64mb") as w:
         for row in ds.with_format("numpy"):
             w.write({"input_ids": row["input_ids"].astype(np.uint16), "token_type_ids": zeros, "lang": "en"})
-    print(json.dumps({"samples": len(ds), "import_s": t_import, "load_s": t_load, "map_s": t_map,
-                      "total_s": time.time() - t0}))
+    print(
+        json.dumps(
+            {"samples": len(ds), "import_s": t_import, "load_s": t_load, "map_s": t_map, "total_s": time.time() - t0}
+        )
+    )
     return 0
 
 

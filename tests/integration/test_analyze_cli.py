@@ -1,9 +1,8 @@
 """The analyze.py command end to end: text and shard inputs, bad input, the checkpoints of a real run."""
+
 from __future__ import annotations
 
-import itertools
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -12,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.evaluation.representation import metrics as analysis
+from pipeline.evaluation.representation.inputs import (
+    read_mds_sequences,
+)
 from tests.support.png import assert_png
 from tests.support.tiny_bert import write_tiny_bert, write_tokenizer
-from pipeline.evaluation.representation import metrics as analysis
-from pipeline.evaluation.representation import plots
-from pipeline.evaluation.representation.inputs import read_mds_sequences, read_text_sequences, sentence_ids_from_specials
 
 REPO = Path(__file__).resolve().parents[2]
 WORDS = "the cat sat on a mat dog ran to park . it was sunny and warm we like tea".split()
@@ -27,19 +27,22 @@ def cos(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_analyze(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "pipeline" / "analyze.py"), *args],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(REPO / "pipeline" / "analyze.py"), *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_analyze_cli_on_text_with_two_models(tmp_path):
     a = write_tiny_bert(tmp_path / "a", WORDS, seed=0)
     b = write_tiny_bert(tmp_path / "b" / "export", WORDS, seed=1, head="base")
     text = tmp_path / "t.txt"
-    text.write_text("the cat sat on a mat .\nthe dog ran to park .\n\nit was sunny and warm .\nwe like tea\n",
-                    encoding="utf-8")
+    text.write_text(
+        "the cat sat on a mat .\nthe dog ran to park .\n\nit was sunny and warm .\nwe like tea\n", encoding="utf-8"
+    )
     out = tmp_path / "report"
-    r = run_analyze("--model", f"first={a}", "--model", str(b), "--data", str(text), "--out", str(out),
-                    "--device", "cpu")
+    r = run_analyze(
+        "--model", f"first={a}", "--model", str(b), "--data", str(text), "--out", str(out), "--device", "cpu"
+    )
     assert r.returncode == 0, r.stderr
     m = json.loads((out / "metrics.json").read_text())
     assert list(m["models"]) == ["first", "export"]
@@ -56,8 +59,12 @@ def test_analyze_cli_on_text_with_two_models(tmp_path):
     enc = tok(["the cat sat on a mat ."], return_tensors="pt")
     hidden_LD = AutoModel.from_pretrained(a).eval()(**enc).last_hidden_state[0, 1:-1].detach()
     want = analysis.group_self_similarity(hidden_LD, torch.zeros(7, dtype=torch.long)).item()
-    assert m["models"]["first"]["heatmap"]["similarity"][0][1] == pytest.approx(cos(hidden_LD[0], hidden_LD[1]), abs=1e-5)
-    assert np.mean(np.array(m["models"]["first"]["heatmap"]["similarity"])[~np.eye(7, dtype=bool)]) == pytest.approx(want, abs=1e-5)
+    assert m["models"]["first"]["heatmap"]["similarity"][0][1] == pytest.approx(
+        cos(hidden_LD[0], hidden_LD[1]), abs=1e-5
+    )
+    assert np.mean(np.array(m["models"]["first"]["heatmap"]["similarity"])[~np.eye(7, dtype=bool)]) == pytest.approx(
+        want, abs=1e-5
+    )
     for png in ("layerwise.png", "heatmap.png"):
         assert_png(out / png)
         assert f"({png})" in (out / "README.md").read_text()
@@ -70,14 +77,26 @@ def test_analyze_on_mds_shards(tmp_path):
     tok = write_tokenizer(tmp_path / "tok", WORDS)
     cls, sep = tok.cls_token_id, tok.sep_token_id
     a, b = tok.convert_tokens_to_ids(["the", "cat", "sat"]), tok.convert_tokens_to_ids(["we", "like", "tea", "."])
-    columns = {"input_ids": "ndarray:uint16", "token_type_ids": "ndarray:uint8", "word_starts": "ndarray:uint8",
-               "nsp_label": "int", "lang": "str"}
+    columns = {
+        "input_ids": "ndarray:uint16",
+        "token_type_ids": "ndarray:uint8",
+        "word_starts": "ndarray:uint8",
+        "nsp_label": "int",
+        "lang": "str",
+    }
     with MDSWriter(out=str(tmp_path / "shards"), columns=columns) as w:
         for k in range(6):
             ids = [cls, *a, sep, *b, sep][: 10 - (k % 2)]
             types = [0] * (len(a) + 2) + [1] * (len(ids) - len(a) - 2)
-            w.write({"input_ids": np.array(ids, np.uint16), "token_type_ids": np.array(types, np.uint8),
-                     "word_starts": np.ones(len(ids), np.uint8), "nsp_label": k % 2, "lang": "en"})
+            w.write(
+                {
+                    "input_ids": np.array(ids, np.uint16),
+                    "token_type_ids": np.array(types, np.uint8),
+                    "word_starts": np.ones(len(ids), np.uint8),
+                    "nsp_label": k % 2,
+                    "lang": "en",
+                }
+            )
     tok.save_pretrained(tmp_path / "shards" / "tokenizer")  # the builder always writes DIR/tokenizer/
     seqs, stats = read_mds_sequences(tmp_path / "shards", special_ids={0, 2, 3, 4}, max_sequences=4)
     assert stats.sequences == 4 and stats.skipped == {"beyond_max_sequences": 2}
@@ -111,30 +130,91 @@ def test_analyze_run_checkpoints_of_a_real_training_run(tmp_path):
     tok = write_tokenizer(tmp_path / "tok", words)
     rng = np.random.default_rng(0)
     text_ids = tok.convert_tokens_to_ids(words)
-    columns = {"input_ids": "ndarray:uint16", "token_type_ids": "ndarray:uint8", "word_starts": "ndarray:uint8",
-               "lang": "str"}
+    columns = {
+        "input_ids": "ndarray:uint16",
+        "token_type_ids": "ndarray:uint8",
+        "word_starts": "ndarray:uint8",
+        "lang": "str",
+    }
     with MDSWriter(out=str(tmp_path / "shards"), columns=columns) as w:
         for _ in range(64):  # packed samples: [CLS] + 15 tokens, a document boundary [SEP] inside
             ids = [tok.cls_token_id, *rng.choice(text_ids, 7), tok.sep_token_id, *rng.choice(text_ids, 7)]
-            w.write({"input_ids": np.array(ids, np.uint16), "token_type_ids": np.zeros(16, np.uint8),
-                     "word_starts": np.ones(16, np.uint8), "lang": "en"})
+            w.write(
+                {
+                    "input_ids": np.array(ids, np.uint16),
+                    "token_type_ids": np.zeros(16, np.uint8),
+                    "word_starts": np.ones(16, np.uint8),
+                    "lang": "en",
+                }
+            )
     tok.save_pretrained(tmp_path / "shards" / "tokenizer")
     ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-                              "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {}}}))
+    ds.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": 1,
+                "zero_optimization": {"stage": 2},
+                "optimizer": {"type": "AdamW", "params": {}},
+            }
+        )
+    )
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-                        str(REPO / "pipeline" / "train.py"), "--ds_config", str(ds), "--objective", "taco",
-                        "--data", str(tmp_path / "shards"), "--model_config", "tiny", "--max_seq_len", "16",
-                        "--max_steps", "4", "--save_every", "2", "--keep_checkpoints", "5", "--save_dir", str(run),
-                        "--export_dir", str(tmp_path / "export"), "--num_workers", "0", "--lr", "1e-3"],
-                       capture_output=True, text=True, timeout=600, cwd=REPO)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "1",
+            str(REPO / "pipeline" / "train.py"),
+            "--ds_config",
+            str(ds),
+            "--objective",
+            "taco",
+            "--data",
+            str(tmp_path / "shards"),
+            "--model_config",
+            "tiny",
+            "--max_seq_len",
+            "16",
+            "--max_steps",
+            "4",
+            "--save_every",
+            "2",
+            "--keep_checkpoints",
+            "5",
+            "--save_dir",
+            str(run),
+            "--export_dir",
+            str(tmp_path / "export"),
+            "--num_workers",
+            "0",
+            "--lr",
+            "1e-3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     text = tmp_path / "t.txt"
     text.write_text("the cat sat on a mat .\nw1 w2 w3 w4\n\nit was sunny and warm .\nwe like tea\n", encoding="utf-8")
     out = tmp_path / "report"
-    r = run_analyze("--model", f"final={tmp_path / 'export'}", "--run", str(run), "--data", str(text),
-                    "--out", str(out), "--device", "cpu")
+    r = run_analyze(
+        "--model",
+        f"final={tmp_path / 'export'}",
+        "--run",
+        str(run),
+        "--data",
+        str(text),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+    )
     assert r.returncode == 0, r.stderr
     m = json.loads((out / "metrics.json").read_text())
     points = m["run"]["checkpoints"]

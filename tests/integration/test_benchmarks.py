@@ -1,5 +1,6 @@
 """The benchmark scripts still run and print their JSON (smoke runs; the figures are measured by
 running the scripts themselves, not here: tests assert behaviour, benchmarks measure)."""
+
 import json
 import os
 import subprocess
@@ -15,15 +16,17 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.multiproc]
 def _run(args: list[str], tmp_path) -> dict:
     """`python -m MODULE ARGS` from a folder outside the repository, as a user would run it."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=540)
+    proc = subprocess.run(
+        [sys.executable, "-m", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540
+    )
     assert proc.returncode == 0, f"{args[0]} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout[proc.stdout.index("{"):])
+    return json.loads(proc.stdout[proc.stdout.index("{") :])
 
 
 def test_bench_losses_quick(tmp_path):
-    report = _run(["pipeline.bench.losses", "--quick", "--threads", "1",
-                   "--repeats", "2", "--bert_repeats", "1"], tmp_path)
+    report = _run(
+        ["pipeline.bench.losses", "--quick", "--threads", "1", "--repeats", "2", "--bert_repeats", "1"], tmp_path
+    )
     for name in ("taco_loss", "taco_upstream", "tacl_loss", "tacl_upstream", "bert_base_mlm_step"):
         assert report["results"][name]["time_s"] > 0
         assert report["results"][name]["peak_mb"] >= 0
@@ -34,8 +37,7 @@ def test_bench_losses_quick(tmp_path):
 def test_bench_gpu_tiny_runs_on_cpu(tmp_path):
     """The GPU benchmark keeps a CPU path with the tiny model, so it cannot rot where no GPU is."""
     out = tmp_path / "gpu.json"
-    report = _run(["pipeline.bench.gpu", "--tiny", "--work_dir", str(tmp_path / "w"),
-                   "--out", str(out)], tmp_path)
+    report = _run(["pipeline.bench.gpu", "--tiny", "--work_dir", str(tmp_path / "w"), "--out", str(out)], tmp_path)
     assert json.loads(out.read_text()) == report
     assert set(report["runs"]) >= {"mlm_packed", "mlm_nsp", "tacl", "taco"}
     for run in report["runs"].values():
@@ -44,17 +46,17 @@ def test_bench_gpu_tiny_runs_on_cpu(tmp_path):
 
 
 def test_bench_train_quick(tmp_path):
-    report = _run(["pipeline.bench.train", "--quick", "--work_dir", str(tmp_path / "w")],
-                  tmp_path)
-    assert set(report["ratios"]) == {"tacl_over_mlm", "taco_over_mlm", "masked_over_full_head",
-                                     "loader_over_trainer"}
+    report = _run(["pipeline.bench.train", "--quick", "--work_dir", str(tmp_path / "w")], tmp_path)
+    assert set(report["ratios"]) == {"tacl_over_mlm", "taco_over_mlm", "masked_over_full_head", "loader_over_trainer"}
     assert all(value > 0 for value in report["ratios"].values())
 
 
 @pytest.mark.corpora
 def test_builder_benchmark_quick(tmp_path, corpora):
-    report = _run(["preprocessing.bench.builder", "--quick", "--corpora", str(corpora),
-                   "--workdir", str(tmp_path / "w")], tmp_path)
+    report = _run(
+        ["preprocessing.bench.builder", "--quick", "--corpora", str(corpora), "--workdir", str(tmp_path / "w")],
+        tmp_path,
+    )
     assert set(report["langs"]) == {"en", "zh"}
     for lang in report["langs"].values():
         assert lang["b_builder"]["samples"] > 0

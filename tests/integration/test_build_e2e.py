@@ -1,15 +1,28 @@
 """The shard builder end to end on real Ray (loopback, one instance for the module) and real MDS
 files: round trip, NSP pairs, Chinese word starts, determinism across worker counts, bad input."""
+
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.support.builder import (config, english_docs, kill_tree, part_samples, ray_on_loopback, read_samples,
-                                   reference_zh_starts, shard_hashes, small_corpus, squash, write_bert_text, write_jsonl)
 
 from preprocessing.builder import build_shards
 from preprocessing.text import clean_text, split_sentences
+from tests.support.builder import (
+    config,
+    english_docs,
+    kill_tree,
+    part_samples,
+    ray_on_loopback,
+    read_samples,
+    reference_zh_starts,
+    shard_hashes,
+    small_corpus,
+    squash,
+    write_bert_text,
+    write_jsonl,
+)
 
 pytestmark = pytest.mark.multiproc
 
@@ -32,7 +45,11 @@ def test_packed_round_trip_and_chinese_word_starts(ray_here, corpus, tmp_path):
     out = tmp_path / "packed"
     manifest = build_shards(config(corpus, out))
     c = manifest["counts"]
-    assert c["documents_in"] == len(corpus.en) + len(corpus.zh) == c["documents_written"] + sum(c["documents_skipped"].values())
+    assert (
+        c["documents_in"]
+        == len(corpus.en) + len(corpus.zh)
+        == c["documents_written"] + sum(c["documents_skipped"].values())
+    )
     assert manifest["chunks"] > 6 and c["shards"] == manifest["chunks"]
     L, sep = 32, corpus.hf.sep_token_id
     docs = iter(corpus.en + corpus.zh)
@@ -61,7 +78,7 @@ def test_packed_round_trip_and_chinese_word_starts(ray_here, corpus, tmp_path):
         for (lo, hi), lines in zip(complete, expected):
             assert squash(corpus.hf.decode(stream[lo:hi])) == squash("".join(lines))
         if partial[1] > partial[0]:
-            assert squash("".join(expected[len(complete)])).startswith(squash(corpus.hf.decode(stream[partial[0]:])))
+            assert squash("".join(expected[len(complete)])).startswith(squash(corpus.hf.decode(stream[partial[0] :])))
         lang = "zh" if "zh.jsonl" in st["file"] else "en"
         assert {s["lang"] for s in samples} <= {lang}
         if lang == "zh":  # word starts against rjieba, sentence by sentence
@@ -90,11 +107,11 @@ def test_nsp_pairs_are_real_continuations_when_labelled_so(ray_here, corpus, tmp
         assert len(ids) <= 64 and ids[0] == cls and ids[-1] == sep and ids.count(sep) == 2
         mid = ids.index(sep)
         assert s["token_type_ids"].tolist() == [0] * (mid + 1) + [1] * (len(ids) - mid - 1)
-        a, b = squash(corpus.hf.decode(ids[1:mid])), squash(corpus.hf.decode(ids[mid + 1:-1]))
+        a, b = squash(corpus.hf.decode(ids[1:mid])), squash(corpus.hf.decode(ids[mid + 1 : -1]))
         homes = [d for d in docs if a in d]
         assert homes, "A comes from a document"
         if s["nsp_label"] == 0:  # B follows A in A's document (truncation may trim the seam)
-            assert any(b in d[d.index(a) + len(a):] for d in homes), (a, b)
+            assert any(b in d[d.index(a) + len(a) :] for d in homes), (a, b)
         else:
             assert any(b in d for d in docs)
         assert s["lang"] in ("en", "zh")
@@ -108,7 +125,10 @@ def test_same_samples_with_1_and_3_workers(ray_here, corpus, tmp_path):
     assert runs[1][1] == runs[3][1] and len(runs[1][1]) > 6
     assert runs[1][0]["counts"] == runs[3][0]["counts"]
     other = build_shards(config(corpus, tmp_path / "seed8", format="nsp", max_seq_len=48, seed=8))
-    assert shard_hashes(tmp_path / "seed8") != runs[1][1] and other["counts"]["documents_in"] == runs[1][0]["counts"]["documents_in"]
+    assert (
+        shard_hashes(tmp_path / "seed8") != runs[1][1]
+        and other["counts"]["documents_in"] == runs[1][0]["counts"]["documents_in"]
+    )
 
 
 def test_bad_input_is_counted_and_logged(ray_here, corpus, tmp_path):
@@ -117,30 +137,47 @@ def test_bad_input_is_counted_and_logged(ray_here, corpus, tmp_path):
     write_bert_text(d / "good.txt", corpus.en[:5])
     (d / "latin1.txt").write_bytes("Caf\xe9 cr\xe8me is sweet.\nIt is.\n\n".encode("latin-1") + b"Fine doc here.\n")
     (d / "controls.txt").write_bytes(b"\x01\x02\x03\n\x07\x08\n\nA real doc after it.\n")
-    lines = [json.dumps({"text": "First good document."}), '{"text": "unterminated',
-             json.dumps({"body": "no text field"}), json.dumps({"text": ""}), "not json at all",
-             json.dumps({"text": "Last good document."})]
+    lines = [
+        json.dumps({"text": "First good document."}),
+        '{"text": "unterminated',
+        json.dumps({"body": "no text field"}),
+        json.dumps({"text": ""}),
+        "not json at all",
+        json.dumps({"text": "Last good document."}),
+    ]
     (d / "mixed.jsonl").write_text("\n".join(lines) + "\n")
     words = " ".join(corpus.en[0]).split()
-    giant = ("Start of the giant line. " + " ".join(words[i % len(words)] for i in range(600_000)) + " The end.")
+    giant = "Start of the giant line. " + " ".join(words[i % len(words)] for i in range(600_000)) + " The end."
     (d / "giant.txt").write_text("Before it.\n\n" + giant)  # about 3.5 MB, no newline at all
     # nsp: unlike packing, it drops no chunk tail, so every good document must show up
-    manifest = build_shards(config(corpus, tmp_path / "out", inputs=[f"en:{d}/*"], block_mb=1.0, chunk_mb=1.0,
-                                   format="nsp", max_seq_len=64))
+    manifest = build_shards(
+        config(corpus, tmp_path / "out", inputs=[f"en:{d}/*"], block_mb=1.0, chunk_mb=1.0, format="nsp", max_seq_len=64)
+    )
     c = manifest["counts"]
     assert c["documents_skipped"] == {"empty": 2, "malformed_json": 2, "missing_field": 1}
     assert c["documents_in"] == 5 + 2 + 2 + 6 + 2 == c["documents_written"] + sum(c["documents_skipped"].values())
     assert c["non_utf8_replacements"] == 2 and c["long_line_pieces"] >= 3 and c["documents_split"] == 1
     rejects = [json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
     where = sorted((Path(r["file"]).name, r["line"], r["reason"]) for r in rejects)
-    assert where == [("controls.txt", 1, "empty"), ("latin1.txt", 1, "non_utf8_replaced"),
-                     ("mixed.jsonl", 2, "malformed_json"), ("mixed.jsonl", 3, "missing_field"),
-                     ("mixed.jsonl", 4, "empty"), ("mixed.jsonl", 5, "malformed_json")]
-    text = "|".join(squash(corpus.hf.decode(s["input_ids"], skip_special_tokens=True))
-                    for s in read_samples(tmp_path / "out"))
+    assert where == [
+        ("controls.txt", 1, "empty"),
+        ("latin1.txt", 1, "non_utf8_replaced"),
+        ("mixed.jsonl", 2, "malformed_json"),
+        ("mixed.jsonl", 3, "missing_field"),
+        ("mixed.jsonl", 4, "empty"),
+        ("mixed.jsonl", 5, "malformed_json"),
+    ]
+    text = "|".join(
+        squash(corpus.hf.decode(s["input_ids"], skip_special_tokens=True)) for s in read_samples(tmp_path / "out")
+    )
     # U+FFFD replaced the Latin-1 bytes; BERT's normaliser then drops it (clean_text)
-    for needle in ("Caf cr me is sweet.", "First good document.", "Last good document.", "A real doc after it.",
-                   "giant line."):
+    for needle in (
+        "Caf cr me is sweet.",
+        "First good document.",
+        "Last good document.",
+        "A real doc after it.",
+        "giant line.",
+    ):
         assert squash(needle) in text, needle
 
 
@@ -148,8 +185,19 @@ def test_output_folder_rules(ray_here, corpus, tmp_path):
     from preprocessing.builder import main
 
     out = tmp_path / "o"
-    args = ["--input", f"en:{corpus.dir / 'en.txt'}", "--output", str(out), "--tokenizer", str(corpus.tok_dir),
-            "--format", "packed", "--max_seq_len", "32", "--no_progress"]
+    args = [
+        "--input",
+        f"en:{corpus.dir / 'en.txt'}",
+        "--output",
+        str(out),
+        "--tokenizer",
+        str(corpus.tok_dir),
+        "--format",
+        "packed",
+        "--max_seq_len",
+        "32",
+        "--no_progress",
+    ]
     assert main(args) == 0
     first = shard_hashes(out)
     assert main(args) == 2  # non-empty output
@@ -176,9 +224,25 @@ def test_killed_build_resumes_to_the_same_output(ray_here, corpus, tmp_path):
 
     big = write_bert_text(tmp_path / "big.txt", english_docs(500, seed=3))
     out = tmp_path / "killed"
-    args = [sys.executable, str(REPO / "preprocessing" / "build_shards.py"), "--input", f"en:{big}",
-            "--output", str(out), "--tokenizer", str(corpus.tok_dir), "--format", "nsp", "--max_seq_len", "48",
-            "--chunk_mb", "0.002", "--num_workers", "1", "--no_progress"]
+    args = [
+        sys.executable,
+        str(REPO / "preprocessing" / "build_shards.py"),
+        "--input",
+        f"en:{big}",
+        "--output",
+        str(out),
+        "--tokenizer",
+        str(corpus.tok_dir),
+        "--format",
+        "nsp",
+        "--max_seq_len",
+        "48",
+        "--chunk_mb",
+        "0.002",
+        "--num_workers",
+        "1",
+        "--no_progress",
+    ]
     proc = subprocess.Popen(args, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 240
@@ -192,10 +256,12 @@ def test_killed_build_resumes_to_the_same_output(ray_here, corpus, tmp_path):
     assert manifest["status"] == "running" and not (out / "index.json").exists()
     finished = len(list(out.glob("part-*/part_stats.json")))
 
-    resumed = build_shards(config(corpus, out, inputs=[f"en:{big}"], format="nsp", max_seq_len=48,
-                                  chunk_mb=0.002, resume=True))
-    clean = build_shards(config(corpus, tmp_path / "clean", inputs=[f"en:{big}"], format="nsp",
-                                max_seq_len=48, chunk_mb=0.002))
+    resumed = build_shards(
+        config(corpus, out, inputs=[f"en:{big}"], format="nsp", max_seq_len=48, chunk_mb=0.002, resume=True)
+    )
+    clean = build_shards(
+        config(corpus, tmp_path / "clean", inputs=[f"en:{big}"], format="nsp", max_seq_len=48, chunk_mb=0.002)
+    )
     assert finished <= resumed["chunks_resumed"] < resumed["chunks"]
     assert shard_hashes(out) == shard_hashes(tmp_path / "clean")
     assert resumed["counts"] == clean["counts"]
@@ -211,24 +277,31 @@ def test_remote_upload_to_s3(ray_here, corpus, tmp_path, monkeypatch, port):
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     try:
-        for key, value in {"S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-                           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        for key, value in {
+            "S3_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }.items():
             monkeypatch.setenv(key, value)
         s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}")
         s3.create_bucket(Bucket="corpus")
         out = tmp_path / "local"
-        manifest = build_shards(config(corpus, out, format="nsp", max_seq_len=64, chunk_mb=0.01,
-                                       remote="s3://corpus/shards"))
+        manifest = build_shards(
+            config(corpus, out, format="nsp", max_seq_len=64, chunk_mb=0.01, remote="s3://corpus/shards")
+        )
         keys = {o["Key"] for o in s3.list_objects_v2(Bucket="corpus")["Contents"]}
-        local = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()
-                 and p.name not in ("part_stats.json", "rejects.jsonl") or p.parent == out and p.is_file()}
+        local = {
+            str(p.relative_to(out))
+            for p in out.rglob("*")
+            if p.is_file() and p.name not in ("part_stats.json", "rejects.jsonl") or p.parent == out and p.is_file()
+        }
         assert {f"shards/{k}" for k in local if not k.endswith(".mds")} <= keys
         assert {"shards/index.json", "shards/build_manifest.json", "shards/tokenizer/tokenizer.json"} <= keys
         assert sum(k.endswith(".mds.zstd") for k in keys) == manifest["counts"]["shards"]
         from streaming import StreamingDataset
 
-        ds = StreamingDataset(remote="s3://corpus/shards", local=str(tmp_path / "cache"), batch_size=1,
-                              shuffle=False)
+        ds = StreamingDataset(remote="s3://corpus/shards", local=str(tmp_path / "cache"), batch_size=1, shuffle=False)
         here = read_samples(out)
         assert len(ds) == len(here) == manifest["counts"]["samples"]
         for i in range(0, len(here), 7):
@@ -259,8 +332,9 @@ def test_every_input_format_gives_the_same_samples(ray_here, corpus, tmp_path):
     datasets.Dataset.from_dict({"body": texts}).save_to_disk(str(d / "hf"))
     hashes = {}
     for name in ("docs.txt", "docs.jsonl", "docs.jsonl.gz", "docs.txt.zst", "docs.parquet", "hf"):
-        m = build_shards(config(corpus, tmp_path / name.replace(".", "_"), inputs=[f"en:{d / name}"],
-                                chunk_mb=64, text_field="body"))
+        m = build_shards(
+            config(corpus, tmp_path / name.replace(".", "_"), inputs=[f"en:{d / name}"], chunk_mb=64, text_field="body")
+        )
         assert m["chunks"] == 1 and m["counts"]["documents_in"] == 25
         hashes[name] = [h for _, h, _ in shard_hashes(tmp_path / name.replace(".", "_"))]
     assert all(h == hashes["docs.txt"] for h in hashes.values()), hashes
@@ -273,8 +347,19 @@ def test_language_detection_and_trained_tokenizer(ray_here, corpus, tmp_path):
 
     mixed = write_bert_text(tmp_path / "mixed.txt", [x for pair in zip(corpus.en[:20], corpus.zh[:20]) for x in pair])
     out = tmp_path / "sp"
-    m = build_shards(config(corpus, out, inputs=[str(mixed)], tokenizer=None, train_tokenizer="unigram",
-                            vocab_size=2000, format="nsp", max_seq_len=64, chunk_mb=64))
+    m = build_shards(
+        config(
+            corpus,
+            out,
+            inputs=[str(mixed)],
+            tokenizer=None,
+            train_tokenizer="unigram",
+            vocab_size=2000,
+            format="nsp",
+            max_seq_len=64,
+            chunk_mb=64,
+        )
+    )
     tok = AutoTokenizer.from_pretrained(out / "tokenizer")
     # a tiny corpus cannot fill 2000 unigram pieces; the manifest reports what was trained
     assert m["tokenizer"]["kind"] == "unigram" and m["tokenizer"]["vocab_size"] == len(tok) <= 2000
@@ -282,7 +367,7 @@ def test_language_detection_and_trained_tokenizer(ray_here, corpus, tmp_path):
     assert m["counts"]["tokens_by_lang"]["en"] > 0 and m["counts"]["tokens_by_lang"]["zh"] > 0
     for s in read_samples(out):
         ids = s["input_ids"].tolist()
-        text = tok.decode(ids[1:ids.index(tok.sep_token_id)])  # segment A: its document's language
+        text = tok.decode(ids[1 : ids.index(tok.sep_token_id)])  # segment A: its document's language
         han = sum("\u4e00" <= ch <= "\u9fff" for ch in text)
         assert s["lang"] == ("zh" if han > len(text.replace(" ", "")) / 3 else "en"), text
         for piece in tok.convert_ids_to_tokens(s["input_ids"].tolist()):
@@ -316,9 +401,18 @@ def test_real_corpora_round_trip(ray_here, corpora, tmp_path):
     write_bert_text(tmp_path / "en.txt", en)
     write_bert_text(tmp_path / "zh.txt", zh)
     out = tmp_path / "out"
-    m = build_shards(config(corpus=None, out=out, inputs=[f"en:{tmp_path / 'en.txt'}", f"zh:{tmp_path / 'zh.txt'}"],
-                            tokenizer=None, train_tokenizer="wordpiece", vocab_size=8000, max_seq_len=128,
-                            chunk_mb=64))
+    m = build_shards(
+        config(
+            corpus=None,
+            out=out,
+            inputs=[f"en:{tmp_path / 'en.txt'}", f"zh:{tmp_path / 'zh.txt'}"],
+            tokenizer=None,
+            train_tokenizer="wordpiece",
+            vocab_size=8000,
+            max_seq_len=128,
+            chunk_mb=64,
+        )
+    )
     assert m["counts"]["documents_written"] + sum(m["counts"]["documents_skipped"].values()) == len(en) + len(zh)
     assert m["peak_rss_mb_per_worker"] < 1500
     from transformers import AutoTokenizer

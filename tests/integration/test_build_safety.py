@@ -2,6 +2,7 @@
 --output, --resume after an in-place edit, the output inside the input glob, a build stopped before
 its manifest, a build that writes nothing, an input that breaks or vanishes mid-build, NSP's random
 B, the worker cap, Ray's processes after a kill -9 of the builder, and no network request."""
+
 import gzip
 import json
 import os
@@ -16,10 +17,20 @@ import threading
 import time
 
 import pytest
-from tests.support.builder import (REPO, config, english_docs, kill_tree, ray_on_loopback, read_samples, shard_hashes,
-                           small_corpus, squash, write_bert_text)
 
 from preprocessing.builder import build_shards, main
+from tests.support.builder import (
+    REPO,
+    config,
+    english_docs,
+    kill_tree,
+    ray_on_loopback,
+    read_samples,
+    shard_hashes,
+    small_corpus,
+    squash,
+    write_bert_text,
+)
 
 pytestmark = pytest.mark.multiproc
 BUILD_SHARDS = str(REPO / "preprocessing" / "build_shards.py")
@@ -38,8 +49,18 @@ def corpus(tmp_path_factory):
 def cli(corpus, inputs, out, *extra):
     """build_shards.py arguments: `inputs` with the corpus tokenizer, packed 32, no progress bar."""
     args = [a for spec in inputs for a in ("--input", spec)]
-    return args + ["--output", str(out), "--tokenizer", str(corpus.tok_dir), "--format", "packed",
-                   "--max_seq_len", "32", "--no_progress", *extra]
+    return args + [
+        "--output",
+        str(out),
+        "--tokenizer",
+        str(corpus.tok_dir),
+        "--format",
+        "packed",
+        "--max_seq_len",
+        "32",
+        "--no_progress",
+        *extra,
+    ]
 
 
 def test_resume_refuses_an_input_edited_in_place(ray_here, corpus, tmp_path, capsys):
@@ -115,8 +136,10 @@ def test_a_build_that_writes_no_sample_exits_2_saying_why(ray_here, corpus, tmp_
     out = tmp_path / "none"
     assert main(cli(corpus, [f"en:{tiny}"], out, "--max_seq_len", "512")) == 2
     err = capsys.readouterr().err
-    assert (f"--output {out}: the build wrote no samples: 2 documents read, 0 written (skipped: packed_tail 2; "
-            "rejects.jsonl lists each one); --format packed drops") in err
+    assert (
+        f"--output {out}: the build wrote no samples: 2 documents read, 0 written (skipped: packed_tail 2; "
+        "rejects.jsonl lists each one); --format packed drops"
+    ) in err
     assert json.loads((out / "build_manifest.json").read_text())["status"] == "empty"
     blank = tmp_path / "blank.txt"
     blank.write_bytes(b"\x01\x02\n\n\x07\n")
@@ -131,7 +154,7 @@ def test_an_input_that_breaks_or_vanishes_mid_build_is_named(ray_here, corpus, t
     text = "".join(f"doc {i} {rng.random()} {rng.random()}\n\n" for i in range(40_000)).encode()
     packed = gzip.compress(text)
     broken = tmp_path / "broken.txt.gz"
-    broken.write_bytes(packed[:len(packed) * 9 // 10])  # the first MB (checked up front) is whole
+    broken.write_bytes(packed[: len(packed) * 9 // 10])  # the first MB (checked up front) is whole
     assert main(cli(corpus, [f"en:{broken}"], tmp_path / "gz")) == 2
     err = capsys.readouterr().err
     assert f"{broken} (from --input en:{broken}): the compressed stream ends early" in err
@@ -163,8 +186,16 @@ def test_random_b_never_comes_from_as_document_with_small_chunks(ray_here, corpu
     samples are still the same for 1 and 3 workers."""
     runs = {}
     for n in (1, 3):
-        cfg = config(corpus, tmp_path / f"w{n}", inputs=[f"en:{corpus.dir / 'en.txt'}"], format="nsp",
-                     max_seq_len=64, chunk_mb=0.0005, num_workers=n, seed=3)
+        cfg = config(
+            corpus,
+            tmp_path / f"w{n}",
+            inputs=[f"en:{corpus.dir / 'en.txt'}"],
+            format="nsp",
+            max_seq_len=64,
+            chunk_mb=0.0005,
+            num_workers=n,
+            seed=3,
+        )
         runs[n] = (build_shards(cfg), shard_hashes(tmp_path / f"w{n}"))
     assert runs[1][1] == runs[3][1]
     docs = [squash("".join(lines)) for lines in corpus.en]
@@ -173,7 +204,7 @@ def test_random_b_never_comes_from_as_document_with_small_chunks(ray_here, corpu
     for s in read_samples(tmp_path / "w1"):
         ids = s["input_ids"].tolist()
         mid = ids.index(sep)
-        a, b = squash(corpus.hf.decode(ids[1:mid])), squash(corpus.hf.decode(ids[mid + 1:-1]))
+        a, b = squash(corpus.hf.decode(ids[1:mid])), squash(corpus.hf.decode(ids[mid + 1 : -1]))
         homes_a = {i for i, d in enumerate(docs) if a in d}
         homes_b = {i for i, d in enumerate(docs) if b in d}
         assert ids[0] == cls and homes_a and homes_b
@@ -206,10 +237,22 @@ def test_two_builds_into_one_output_and_a_kill_9(ray_here, corpus, tmp_path, cap
 
     big = write_bert_text(tmp_path / "big.txt", english_docs(500, seed=3))
     out = tmp_path / "out"
-    args = cli(corpus, [f"en:{big}"], out, "--format", "nsp", "--max_seq_len", "48", "--chunk_mb", "0.002",
-               "--num_workers", "1")
-    proc = subprocess.Popen([sys.executable, BUILD_SHARDS, *args], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    args = cli(
+        corpus,
+        [f"en:{big}"],
+        out,
+        "--format",
+        "nsp",
+        "--max_seq_len",
+        "48",
+        "--chunk_mb",
+        "0.002",
+        "--num_workers",
+        "1",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, BUILD_SHARDS, *args], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     tree = []
     try:
         deadline = time.time() + 120
@@ -268,11 +311,24 @@ def test_a_local_build_makes_no_network_request(corpus, tmp_path):
     if subprocess.run([strace, "-f", "-qq", "-o", os.devnull, "true"]).returncode != 0:
         pytest.skip("strace cannot trace here (ptrace not permitted)")
     trace, out = tmp_path / "connect.trace", tmp_path / "out"
-    proc = subprocess.run([strace, "-f", "--seccomp-bpf", "-qq", "-e", "trace=connect", "-o", str(trace),
-                           sys.executable, BUILD_SHARDS,
-                           *cli(corpus, [f"en:{corpus.dir / 'en.txt'}"], out, "--chunk_mb", "0.004",
-                                "--num_workers", "1000")],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            strace,
+            "-f",
+            "--seccomp-bpf",
+            "-qq",
+            "-e",
+            "trace=connect",
+            "-o",
+            str(trace),
+            sys.executable,
+            BUILD_SHARDS,
+            *cli(corpus, [f"en:{corpus.dir / 'en.txt'}"], out, "--chunk_mb", "0.004", "--num_workers", "1000"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     calls = [line for line in trace.read_text().splitlines() if "connect(" in line]
     addresses = [a or b for line in calls for a, b in _ADDRESS.findall(line)]

@@ -3,6 +3,7 @@ folder gives exactly the `.model` file's ids on held-out English and Chinese tex
 trains reproducibly, keeps BERT's special tokens, gets word starts by SentencePiece's '▁'
 convention (rjieba's words in Chinese), and builds shards a trainer run learns from. Also: the
 datasets-folder reader lists its Arrow files through datasets' public API (issue 14, item 6)."""
+
 from __future__ import annotations
 
 import json
@@ -13,25 +14,39 @@ from pathlib import Path
 import numpy as np
 import pytest
 import rjieba
-from tests.support.builder import SAMPLE_EN, SAMPLE_ZH, read_samples, squash, write_bert_text, write_jsonl
 
 from preprocessing.errors import UsageError
 from preprocessing.text import clean_text, split_sentences
+from tests.support.builder import SAMPLE_EN, SAMPLE_ZH, read_samples, squash, write_bert_text, write_jsonl
 
 CJK = lambda ch: "\u4e00" <= ch <= "\u9fff"  # noqa: E731  (enough for the sample text)
 # Text no sample holds: rare ideographs (outside a 0.9995 character coverage, so [UNK]),
 # mixed scripts, full-width forms, repeated and odd spaces, and the special tokens typed as text.
-ODD = ["龘龘靐齉是生僻字,iPhone12手机售价3.5%的A股。", "卡拉OK和T恤在2018年很流行。", "  leading   and trailing  ",
-       "ＡＢＣ１２３\u3000全角", "tab\there\nnewline", "ﬁ ligature ℃ ½", "Ünïcödé façade naïve", "𠀀𠀁 astral",
-       "hello 北京 world", "[CLS] typed [SEP] as [MASK] text [UNK] [PAD]", "▁already marked", ""]
+ODD = [
+    "龘龘靐齉是生僻字,iPhone12手机售价3.5%的A股。",
+    "卡拉OK和T恤在2018年很流行。",
+    "  leading   and trailing  ",
+    "ＡＢＣ１２３\u3000全角",
+    "tab\there\nnewline",
+    "ﬁ ligature ℃ ½",
+    "Ünïcödé façade naïve",
+    "𠀀𠀁 astral",
+    "hello 北京 world",
+    "[CLS] typed [SEP] as [MASK] text [UNK] [PAD]",
+    "▁already marked",
+    "",
+]
 
 
 # ---- corpora -------------------------------------------------------------------------------------
 def sample_docs() -> tuple[list[list[str]], list[list[str]]]:
     """The repo's sample corpus as documents (lists of lines): English, Chinese."""
     en = [block.splitlines() for block in SAMPLE_EN.read_text(encoding="utf-8").split("\n\n") if block.strip()]
-    zh = [json.loads(line)["text"].split("\n") for line in SAMPLE_ZH.read_text(encoding="utf-8").splitlines()
-          if line.strip()]
+    zh = [
+        json.loads(line)["text"].split("\n")
+        for line in SAMPLE_ZH.read_text(encoding="utf-8").splitlines()
+        if line.strip()
+    ]
     return en, zh
 
 
@@ -40,8 +55,10 @@ def split_train_held_out():
     en, zh = sample_docs()
     cut_en, cut_zh = 2 * len(en) // 3, 2 * len(zh) // 3
     train = [clean_text(line) for doc in en[:cut_en] + zh[:cut_zh] for line in doc]
-    held = {"en": [line for doc in en[cut_en:] for line in doc if line.strip()],
-            "zh": [line for doc in zh[cut_zh:] for line in doc if line.strip()]}
+    held = {
+        "en": [line for doc in en[cut_en:] for line in doc if line.strip()],
+        "zh": [line for doc in zh[cut_zh:] for line in doc if line.strip()],
+    }
     return [t for t in train if t], held
 
 
@@ -61,8 +78,15 @@ def sp_dir(request, data, tmp_path_factory) -> Path:
     from preprocessing.tokenization import prepare_tokenizer
 
     out = tmp_path_factory.mktemp(request.param) / "tokenizer"
-    info = prepare_tokenizer(tokenizer=None, train="sentencepiece", sp_model_type=request.param, vocab_size=2000,
-                             lowercase=True, out_dir=out, texts=lambda: iter(data[0]))
+    info = prepare_tokenizer(
+        tokenizer=None,
+        train="sentencepiece",
+        sp_model_type=request.param,
+        vocab_size=2000,
+        lowercase=True,
+        out_dir=out,
+        texts=lambda: iter(data[0]),
+    )
     assert info.kind == "sentencepiece" and (info.cls_id, info.sep_id, info.unk_id) == (2, 3, 1)
     return out
 
@@ -86,8 +110,13 @@ def test_folder_is_a_fast_hf_tokenizer_with_bert_specials(sp_dir):
     expected = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4}
     assert {t: tok.convert_tokens_to_ids(t) for t in expected} == expected
     assert {t: sp.piece_to_id(t) for t in expected} == expected
-    assert (tok.pad_token_id, tok.unk_token_id, tok.cls_token_id, tok.sep_token_id, tok.mask_token_id) \
-        == (0, 1, 2, 3, 4)
+    assert (tok.pad_token_id, tok.unk_token_id, tok.cls_token_id, tok.sep_token_id, tok.mask_token_id) == (
+        0,
+        1,
+        2,
+        3,
+        4,
+    )
     assert sorted(tok.all_special_ids) == [0, 1, 2, 3, 4]
     assert [sp.is_control(i) for i in (0, 2, 3, 4)] == [True] * 4 and sp.is_unknown(1)
     m = pb.ModelProto()
@@ -138,13 +167,24 @@ def test_real_corpora_hf_ids_equal_sentencepiece_ids(corpora, tmp_path, model_ty
     from preprocessing.inputs import plan_chunks, resolve_inputs
     from preprocessing.tokenization import prepare_tokenizer, training_texts
 
-    files = resolve_inputs([f"en:{corpora / 'en' / 'enwiki_sample.jsonl'}",
-                            f"zh:{corpora / 'zh' / 'court_judgments.txt'}",
-                            f"zh:{corpora / 'zh' / 'four_classic_novels.txt'}"])
+    files = resolve_inputs(
+        [
+            f"en:{corpora / 'en' / 'enwiki_sample.jsonl'}",
+            f"zh:{corpora / 'zh' / 'court_judgments.txt'}",
+            f"zh:{corpora / 'zh' / 'four_classic_novels.txt'}",
+        ]
+    )
     chunks = plan_chunks(files, chunk_bytes=64 << 20, text_field="text")
     out = tmp_path / "tokenizer"
-    prepare_tokenizer(tokenizer=None, train="sentencepiece", sp_model_type=model_type, vocab_size=8000, lowercase=True,
-                      out_dir=out, texts=lambda: training_texts(chunks, text_field="text", budget_bytes=1 << 20))
+    prepare_tokenizer(
+        tokenizer=None,
+        train="sentencepiece",
+        sp_model_type=model_type,
+        vocab_size=8000,
+        lowercase=True,
+        out_dir=out,
+        texts=lambda: training_texts(chunks, text_field="text", budget_bytes=1 << 20),
+    )
     tok, sp = AutoTokenizer.from_pretrained(out), sp_of(out)
     with open(corpora / "en" / "enwiki_wikiextractor.txt", encoding="utf-8") as f:
         f.seek(20 << 20)  # well past the 5 MB that enwiki_sample.jsonl holds
@@ -185,7 +225,7 @@ def test_odd_text_gives_sentencepiece_ids(sp_dir):
 
 
 def test_ties_between_equal_paths_break_as_sentencepiece_breaks_them(sp_dir, data):
-    """"......" is both "." + "....." and "....." + "."-like orders of the same pieces: an exact
+    """ "......" is both "." + "....." and "....." + "."-like orders of the same pieces: an exact
     tie that sentencepiece's float32 sums and HF's float64 sums once broke differently, after a
     sentence of English (20 of these 1,260 texts, before unigram scores were put on a grid)."""
     from transformers import AutoTokenizer
@@ -329,17 +369,20 @@ def test_spelled_positions_are_the_offsets(sp_dir, data):
     # The builder's (cleaned) sentences, then one whose spaces the normaliser collapses.
     sentences = sentences_of(data[1]["zh"] + data[1]["en"], "zh") + [clean_text(s) for s in ODD[:2]] + [ODD[2]]
     ids, lengths, encodings = encoder.encode(sentences, offsets=True)
-    char_t, ok_S = spelled_char_positions(encoder, ids_t=ids.astype(np.int64), n_tok=lengths,
-                                          char_lens=np.array([len(s) for s in sentences]))
+    char_t, ok_S = spelled_char_positions(
+        encoder, ids_t=ids.astype(np.int64), n_tok=lengths, char_lens=np.array([len(s) for s in sentences])
+    )
     has_unk = np.array([1 in e.ids for e in encodings])
     assert (ok_S[:-1] == ~has_unk[:-1]).all() and not ok_S[-1]
     assert ok_S.sum() > 100 and has_unk.sum() > 0
     starts = np.concatenate([[0], np.cumsum(lengths)])
     for i in np.flatnonzero(ok_S):
         e = encodings[i]
-        expected = [-1 if j == 0 and token.startswith("▁") else lo  # the '▁' sentencepiece puts in front
-                    for j, (token, (lo, _)) in enumerate(zip(e.tokens, e.offsets))]
-        assert char_t[starts[i]:starts[i + 1]].tolist() == expected, sentences[i]
+        expected = [
+            -1 if j == 0 and token.startswith("▁") else lo  # the '▁' sentencepiece puts in front
+            for j, (token, (lo, _)) in enumerate(zip(e.tokens, e.offsets))
+        ]
+        assert char_t[starts[i] : starts[i + 1]].tolist() == expected, sentences[i]
 
 
 def test_word_starts_follow_the_marker_and_rjieba(sp_dir, data):
@@ -354,8 +397,11 @@ def test_word_starts_follow_the_marker_and_rjieba(sp_dir, data):
     # English text with Chinese words glued to it: a multi-ideograph piece after a Latin one
     words = sorted(p for p in raw.get_vocab() if len(p) > 1 and all(map(CJK, p)))[:30]
     glued = [f"the{a}and{b} in 2018{a}." for a, b in zip(words[::2], words[1::2])]
-    sentences = sentences_of(en_lines, "en") + ["Unbelievably, counter-intuitive re-entry in 2018!",
-                                                 "hello 北京 world", *glued]
+    sentences = sentences_of(en_lines, "en") + [
+        "Unbelievably, counter-intuitive re-entry in 2018!",
+        "hello 北京 world",
+        *glued,
+    ]
     n_en = len(sentences)
     sentences += sentences_of(zh_lines, "zh") + [s for s in ODD[:3] + ODD[8:9] if s.strip()]
     zh = np.arange(len(sentences)) >= n_en
@@ -365,7 +411,7 @@ def test_word_starts_follow_the_marker_and_rjieba(sp_dir, data):
     ws = word_starts(encoder, ids_T=ids, lengths_S=lengths, encodings=encodings, sentences=sentences, zh_S=zh)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     for i, sentence in enumerate(sentences):
-        assert ws[offsets[i]:offsets[i + 1]].tolist() == reference_sp_starts(raw, sentence, zh=bool(zh[i])), sentence
+        assert ws[offsets[i] : offsets[i + 1]].tolist() == reference_sp_starts(raw, sentence, zh=bool(zh[i])), sentence
     # The test exercises real words: Chinese words of several tokens, pieces of several ideographs,
     # non-ideograph tokens rjieba starts words at, and sentences aligned by offsets ([UNK]).
     zh_tokens = slice(offsets[n_en], None)
@@ -373,10 +419,14 @@ def test_word_starts_follow_the_marker_and_rjieba(sp_dir, data):
     assert (ws[zh_tokens] == 0).sum() > 100 and sum(len(p) > 1 and all(map(CJK, p)) for p in pieces) > 20
     assert sum(f == 1 and not p.startswith("▁") and not CJK(p[0]) for p, f in zip(pieces, ws[zh_tokens])) > 20
     assert 1 in ids[zh_tokens]
-    en_pieces = [encoder.tok.id_to_token(int(t)) for t in ids[:offsets[n_en]]]
-    assert sum(len(p) > 1 and all(map(CJK, p)) and f == 1 and q != "▁"
-               for p, q, f in zip(en_pieces[1:], en_pieces, ws[1:offsets[n_en]])) > 10
-
+    en_pieces = [encoder.tok.id_to_token(int(t)) for t in ids[: offsets[n_en]]]
+    assert (
+        sum(
+            len(p) > 1 and all(map(CJK, p)) and f == 1 and q != "▁"
+            for p, q, f in zip(en_pieces[1:], en_pieces, ws[1 : offsets[n_en]])
+        )
+        > 10
+    )
 
 
 # ---- the builder and the trainer -------------------------------------------------------------------
@@ -394,8 +444,15 @@ def ray_here():
         ray.shutdown()
 
 
-def build(tmp_path: Path, *, model_type: str, fmt: str, max_seq_len: int, out_name: str,
-          docs: tuple[list[list[str]], list[list[str]]] | None = None) -> tuple[Path, dict, list]:
+def build(
+    tmp_path: Path,
+    *,
+    model_type: str,
+    fmt: str,
+    max_seq_len: int,
+    out_name: str,
+    docs: tuple[list[list[str]], list[list[str]]] | None = None,
+) -> tuple[Path, dict, list]:
     """Shards of English (BERT text) and Chinese (JSONL) documents, by default the sample corpus,
     with a SentencePiece tokenizer the builder trains on them. Returns (OUTPUT, manifest, the
     documents in input order with their languages). Needs an initialised Ray."""
@@ -408,9 +465,19 @@ def build(tmp_path: Path, *, model_type: str, fmt: str, max_seq_len: int, out_na
     write_bert_text(d / "en.txt", en)
     write_jsonl(d / "zh.jsonl", zh)
     out = tmp_path / out_name
-    cfg = BuildConfig(inputs=[f"en:{d / 'en.txt'}", f"zh:{d / 'zh.jsonl'}"], output=str(out),
-                      train_tokenizer="sentencepiece", sp_model_type=model_type, vocab_size=2000, format=fmt,
-                      max_seq_len=max_seq_len, chunk_mb=64, num_workers=2, seed=3, progress=False)
+    cfg = BuildConfig(
+        inputs=[f"en:{d / 'en.txt'}", f"zh:{d / 'zh.jsonl'}"],
+        output=str(out),
+        train_tokenizer="sentencepiece",
+        sp_model_type=model_type,
+        vocab_size=2000,
+        format=fmt,
+        max_seq_len=max_seq_len,
+        chunk_mb=64,
+        num_workers=2,
+        seed=3,
+        progress=False,
+    )
     return out, build_shards(cfg), [(doc, "en") for doc in en] + [(doc, "zh") for doc in zh]
 
 
@@ -434,7 +501,9 @@ def test_shard_build_holds_sentencepiece_ids_and_word_starts(ray_here, tmp_path,
     by_part: dict[str, list] = {}
     pos = 0
     for shard in index["shards"]:
-        by_part.setdefault(shard["raw_data"]["basename"].split("/")[0], []).extend(samples[pos:pos + shard["samples"]])
+        by_part.setdefault(shard["raw_data"]["basename"].split("/")[0], []).extend(
+            samples[pos : pos + shard["samples"]]
+        )
         pos += shard["samples"]
     assert len(by_part) == 2
     for (name, part), lang in zip(sorted(by_part.items()), ("en", "zh")):
@@ -449,7 +518,7 @@ def test_shard_build_holds_sentencepiece_ids_and_word_starts(ray_here, tmp_path,
         assert all(s["input_ids"][0] == 2 and len(s["input_ids"]) == 64 for s in part)
         stream = [t for s in part for t in s["input_ids"][1:].tolist()]
         stream_ws = [w for s in part for w in s["word_starts"][1:].tolist()]
-        assert len(stream) > 0.9 * len(expected) and stream == expected[:len(stream)], name
+        assert len(stream) > 0.9 * len(expected) and stream == expected[: len(stream)], name
         for k, (got, want) in enumerate(zip(stream_ws, expected_ws)):
             if k % 63 and stream[k] != 3:  # a sample's first token always starts a word; [SEP] is special
                 assert got == want, (name, k)
@@ -461,8 +530,17 @@ def test_trainer_runs_from_sentencepiece_shards(ray_here, tmp_path):
     """MLM with whole-word masking learns from --train_tokenizer sentencepiece shards, launched as
     the trainer tests launch it (2 CPU ranks, the tiny model, their small English and Chinese
     grammar, which a few dozen steps can learn); the trainer takes DATA/tokenizer."""
-    from tests.support.trainer import corpus, explain, free_port, read_metrics, run_deepspeed, train_args, write_ds_config
     from transformers import AutoTokenizer
+
+    from tests.support.trainer import (
+        corpus,
+        explain,
+        free_port,
+        read_metrics,
+        run_deepspeed,
+        train_args,
+        write_ds_config,
+    )
 
     docs = (corpus(40, seed=1, lang="en"), corpus(40, seed=2, lang="zh"))
     out, manifest, _ = build(tmp_path, model_type="unigram", fmt="packed", max_seq_len=32, out_name="shards", docs=docs)
@@ -473,8 +551,18 @@ def test_trainer_runs_from_sentencepiece_shards(ray_here, tmp_path):
     save = tmp_path / "run"
     # A generous timeout: DeepSpeed JIT-builds its CPU ops (minutes) whenever another checkout of
     # this repo has rebuilt them from its own path since.
-    proc = run_deepspeed(free_port(), train_args(ds_config=ds, objective="mlm", data=[out], save_dir=save, max_steps=60,
-                                                 extra=["--lr", "5e-3", "--whole_word_masking"]), timeout=800)
+    proc = run_deepspeed(
+        free_port(),
+        train_args(
+            ds_config=ds,
+            objective="mlm",
+            data=[out],
+            save_dir=save,
+            max_steps=60,
+            extra=["--lr", "5e-3", "--whole_word_masking"],
+        ),
+        timeout=800,
+    )
     assert proc.returncode == 0, explain(proc)
     rows = read_metrics(save)
     assert [r["step"] for r in rows] == list(range(1, 61))
@@ -498,8 +586,9 @@ def test_datasets_folder_files_come_from_the_public_api(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     datasets.Dataset.from_dict({"text": [f"row {i}" for i in range(300)]}).save_to_disk("hf", max_shard_size="1KB")
-    datasets.DatasetDict({"zeta": datasets.Dataset.from_dict({"text": ["z"]}),
-                          "alpha": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk("hfd")
+    datasets.DatasetDict(
+        {"zeta": datasets.Dataset.from_dict({"text": ["z"]}), "alpha": datasets.Dataset.from_dict({"text": ["a"]})}
+    ).save_to_disk("hfd")
     files = resolve_inputs(["hf", "hfd"])
     paths = [f.path for f in files]
     n = len(paths) - 2

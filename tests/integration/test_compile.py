@@ -1,6 +1,7 @@
 """--compile: torch.compile of the encoder layers gives the eager logits on CPU, for batches of
 different token counts (one compiled graph, dynamic in T). Slow (inductor compiles C++), hence
 not in the unit tier."""
+
 from __future__ import annotations
 
 import torch

@@ -1,6 +1,7 @@
 """Data: up-front checks of shard folders (missing, empty, mixed, corrupted: named), the objective
 against the data, the masking collator, and streaming reads (sample ids, mid-epoch resume, a
 corrupted sample named by its shard, two "nodes" sharing one host)."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,8 @@ import torch
 
 from pipeline.data.collator import MaskingCollator
 from pipeline.data.loader import build_loader
+from pipeline.data.masking import MaskingSpec
 from pipeline.data.shards import ShardError, check_objective_against_data, inspect_data
-from pipeline.data.masking import IGNORE_INDEX, MaskingSpec
 from tests.support.trainer import REPO, launch_env, shard_sets
 
 
@@ -44,8 +45,12 @@ def _tok(folder: Path):
 
 def _collator(folder: Path, *, nsp: bool, seed: int = 0, whole_word: bool = False) -> MaskingCollator:
     tok = _tok(folder)
-    spec = MaskingSpec(mask_token_id=tok.mask_token_id, special_ids=tuple(tok.all_special_ids), vocab_size=len(tok),
-                       whole_word=whole_word)
+    spec = MaskingSpec(
+        mask_token_id=tok.mask_token_id,
+        special_ids=tuple(tok.all_special_ids),
+        vocab_size=len(tok),
+        whole_word=whole_word,
+    )
     return MaskingCollator(spec=spec, pad_id=tok.pad_token_id, seed=seed, nsp=nsp, max_seq_len=64)
 
 
@@ -98,7 +103,9 @@ def test_truncated_shard_is_named(packed, tmp_path):
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) - 10])
     rel = shard.relative_to(d)
-    with pytest.raises(ShardError, match=rf"corrupted shard .*{rel}: {len(data) - 10} bytes, the index says {len(data)}"):
+    with pytest.raises(
+        ShardError, match=rf"corrupted shard .*{rel}: {len(data) - 10} bytes, the index says {len(data)}"
+    ):
         inspect_data([str(d)], cache_root=str(tmp_path))
 
 
@@ -139,8 +146,13 @@ def test_objective_against_data():
 def _samples(rows: list[list[int]], *, nsp: bool = False) -> list[dict]:
     out = []
     for i, ids in enumerate(rows):
-        s = {"input_ids": np.asarray(ids, np.uint16), "token_type_ids": np.zeros(len(ids), np.uint8),
-             "word_starts": np.ones(len(ids), np.uint8), "sample_id": 100 + i, "epoch": 0}
+        s = {
+            "input_ids": np.asarray(ids, np.uint16),
+            "token_type_ids": np.zeros(len(ids), np.uint8),
+            "word_starts": np.ones(len(ids), np.uint8),
+            "sample_id": 100 + i,
+            "epoch": 0,
+        }
         if nsp:
             s["nsp_label"] = i % 2
         out.append(s)
@@ -155,7 +167,7 @@ def test_collator_pads_to_the_longest_and_aligns_labels(nsp):
     L = max(map(len, rows))
     assert b["input_ids"].shape == (2, L)  # the longest of the batch, not max_seq_len
     assert b["attention_mask"].tolist() == [[1] * len(r) + [0] * (L - len(r)) for r in rows]
-    assert (b["original_ids"][1, len(rows[1]):] == tok.pad_token_id).all()
+    assert (b["original_ids"][1, len(rows[1]) :] == tok.pad_token_id).all()
     masked = b["masked"]
     assert not masked[b["attention_mask"] == 0].any()
     # mlm_labels are the original ids at the masked positions, row-major (the head's gather order).
@@ -166,7 +178,7 @@ def test_collator_pads_to_the_longest_and_aligns_labels(nsp):
     again = col(_samples(rows, nsp=True))
     assert torch.equal(again["input_ids"], b["input_ids"])
     shuffled = col(list(reversed(_samples(rows, nsp=True))))
-    assert torch.equal(shuffled["input_ids"][1, :len(rows[0])], b["input_ids"][0, :len(rows[0])])
+    assert torch.equal(shuffled["input_ids"][1, : len(rows[0])], b["input_ids"][0, : len(rows[0])])
 
 
 def test_collator_refuses_overlong_samples(nsp):
@@ -183,9 +195,18 @@ def test_collator_refuses_overlong_samples(nsp):
 def _loader(folder: Path, *, micro: int = 4, workers: int = 0, vocab: int | None = None, nsp: bool = False):
     info = inspect_data([str(folder)], cache_root=str(folder.parent / "cache"))
     tok = _tok(folder)
-    return build_loader(info, weights=None, micro_batch=micro, collator=_collator(folder, nsp=nsp),
-                        vocab_size=vocab or len(tok), seed=0, num_workers=workers, num_canonical_nodes=1,
-                        run_id="unit", pin_memory=False)
+    return build_loader(
+        info,
+        weights=None,
+        micro_batch=micro,
+        collator=_collator(folder, nsp=nsp),
+        vocab_size=vocab or len(tok),
+        seed=0,
+        num_workers=workers,
+        num_canonical_nodes=1,
+        run_id="unit",
+        pin_memory=False,
+    )
 
 
 def test_loader_yields_every_sample_once_per_epoch(packed):
@@ -214,7 +235,10 @@ def test_loader_state_resumes_mid_epoch(packed):
 def test_sample_outside_the_vocabulary_names_its_shard(packed, tmp_path):
     # A shard that decodes but holds ids beyond the vocabulary (a different tokenizer, or bit rot).
     loader = _loader(packed, vocab=10)
-    with pytest.raises(ShardError, match=r"corrupted shard .*part-0000\d/shard\.\d+\.mds: sample \d+: token id \d+ >= the vocabulary size 10"):
+    with pytest.raises(
+        ShardError,
+        match=r"corrupted shard .*part-0000\d/shard\.\d+\.mds: sample \d+: token id \d+ >= the vocabulary size 10",
+    ):
         next(iter(loader))
 
 
@@ -251,16 +275,29 @@ def test_two_nodes_on_one_host_read_disjoint_halves(packed, tmp_path, port):
     script.write_text(_TWO_NODE_SCRIPT)
     procs = []
     for r in range(2):
-        env = launch_env(RANK=str(r), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
-                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env = launch_env(
+            RANK=str(r),
+            LOCAL_RANK="0",
+            WORLD_SIZE="2",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         # Files, not pipes: a rank blocked on a full pipe would hold the other at a barrier.
         out, err = open(tmp_path / f"out{r}", "w"), open(tmp_path / f"err{r}", "w")
-        procs.append(subprocess.Popen([sys.executable, str(script), str(packed), str(tmp_path / "cache")], cwd=REPO,
-                                      env=env, stdout=out, stderr=err))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), str(packed), str(tmp_path / "cache")],
+                cwd=REPO,
+                env=env,
+                stdout=out,
+                stderr=err,
+            )
+        )
     for r, p in enumerate(procs):
         assert p.wait(timeout=180) == 0, (tmp_path / f"err{r}").read_text()[-3000:]
     outs = [(tmp_path / f"out{r}").read_text() for r in range(2)]
-    ids = [json.loads(next(l for l in out.splitlines() if l.startswith("IDS "))[4:]) for out in outs]
+    ids = [json.loads(next(line for line in out.splitlines() if line.startswith("IDS "))[4:]) for out in outs]
     n = inspect_data([str(packed)], cache_root=str(tmp_path)).samples
     assert not set(ids[0]) & set(ids[1])
     assert set(ids[0]) | set(ids[1]) == set(range(n))
@@ -278,8 +315,12 @@ def test_remote_shards_stream_through_a_per_job_cache(packed, tmp_path, monkeypa
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     try:
-        for key, value in {"S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-                           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        for key, value in {
+            "S3_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }.items():
             monkeypatch.setenv(key, value)
         s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}")
         s3.create_bucket(Bucket="data")
@@ -295,9 +336,18 @@ def test_remote_shards_stream_through_a_per_job_cache(packed, tmp_path, monkeypa
         # The builder's tokenizer came along, so --tokenizer may default to it for remote data too.
         assert info.tokenizer_dir == str(Path(src.local) / "tokenizer")
         tok = _tok(Path(src.local))
-        loader = build_loader(info, weights=None, micro_batch=4, collator=_collator(Path(src.local), nsp=False),
-                              vocab_size=len(tok), seed=0, num_workers=0, num_canonical_nodes=1, run_id="remote",
-                              pin_memory=False)
+        loader = build_loader(
+            info,
+            weights=None,
+            micro_batch=4,
+            collator=_collator(Path(src.local), nsp=False),
+            vocab_size=len(tok),
+            seed=0,
+            num_workers=0,
+            num_canonical_nodes=1,
+            run_id="remote",
+            pin_memory=False,
+        )
         ids = [i for b in loader for i in b["sample_ids"].tolist()]
         assert sorted(ids) == list(range(info.samples))
         # The shards were downloaded into this run's own folder of the job's cache.
@@ -314,8 +364,12 @@ def test_remote_without_index_is_named(tmp_path, monkeypatch, port):
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     try:
-        for key, value in {"S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-                           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        for key, value in {
+            "S3_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }.items():
             monkeypatch.setenv(key, value)
         import boto3
 

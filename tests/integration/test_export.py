@@ -6,6 +6,7 @@ the export holds the fp32 master weights. Cast to bf16, the export *is* the engi
 same forward gives the same logits (0 difference on CPU). In fp32 it differs by bf16 rounding:
 within 4 bf16 steps (2^-7 each) of the largest logit.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,7 +22,7 @@ from pipeline.training.hf_export import load_student
 from tests.support.trainer import REPO, launch_env, tacl_straight
 
 pytestmark = pytest.mark.multiproc
-BF16_STEP = 2.0 ** -7
+BF16_STEP = 2.0**-7
 
 
 @pytest.fixture(scope="module")
@@ -72,14 +73,33 @@ def test_load_student_and_the_cli_export_the_same_weights(run, tmp_path):
     for (name, a), (_, b) in zip(model.state_dict().items(), exported.state_dict().items()):
         assert torch.equal(a, b), name
     assert len(tok) == model.config.vocab_size
-    proc = subprocess.run([sys.executable, str(REPO / "pipeline" / "export.py"), "--checkpoint", str(ckpt), "--out",
-                           str(tmp_path / "cli")], cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "pipeline" / "export.py"),
+            "--checkpoint",
+            str(ckpt),
+            "--out",
+            str(tmp_path / "cli"),
+        ],
+        cwd=REPO,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     again = BertForPreTraining.from_pretrained(tmp_path / "cli")
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), exported.state_dict().values()))
     # An incomplete checkpoint is refused with exit 2 and a reason.
     bad = tmp_path / "ck" / "step_00000001"
     bad.mkdir(parents=True)
-    proc = subprocess.run([sys.executable, str(REPO / "pipeline" / "export.py"), "--checkpoint", str(bad), "--out",
-                           str(tmp_path / "x")], cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "pipeline" / "export.py"), "--checkpoint", str(bad), "--out", str(tmp_path / "x")],
+        cwd=REPO,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and "incomplete (no complete.json)" in proc.stderr

@@ -8,6 +8,7 @@ The settings are pipeline/reproduce_mini.py's defaults, the ones the README quot
 for the CI time budget, not tuned to make a check pass. One run (~5-6 minutes on 2 quiet cores) feeds
 all the tests of this module.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,10 +45,14 @@ def test_report_is_complete(mini):
     assert steps[0] == 0 and steps[-1] == mini["config"]["steps"] and len(steps) >= 3
     # Step 0 of the curve is the start model; the last checkpoint is the exported TACO model.
     assert metrics["run"]["checkpoints"][0]["gap"] == pytest.approx(metrics["models"]["start"]["last_layer"]["gap"])
-    assert metrics["run"]["checkpoints"][-1]["gap"] == pytest.approx(metrics["models"]["taco"]["last_layer"]["gap"], abs=1e-5)
+    assert metrics["run"]["checkpoints"][-1]["gap"] == pytest.approx(
+        metrics["models"]["taco"]["last_layer"]["gap"], abs=1e-5
+    )
     # Continued pre-training moved every model away from the start.
     start = metrics["models"]["start"]["last_layer"]["intra_sentence"]
-    assert all(abs(metrics["models"][m]["last_layer"]["intra_sentence"] - start) > 1e-3 for m in ("mlm", "tacl", "taco"))
+    assert all(
+        abs(metrics["models"][m]["last_layer"]["intra_sentence"] - start) > 1e-3 for m in ("mlm", "tacl", "taco")
+    )
 
 
 def test_tacl_lowers_intra_sentence_similarity_below_mlm(mini):
@@ -55,11 +60,15 @@ def test_tacl_lowers_intra_sentence_similarity_below_mlm(mini):
     assert check["holds"], describe(check)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "does not reproduce at this scale: from all-MiniLM-L6-v2 (a contrastively fine-tuned sentence encoder whose "
-    "last layer is already nearly isotropic, intra-sentence 0.33, random-pair cosine 0.03) 200 steps of continued "
-    "pre-training with a freshly initialised MLM head raise intra-sentence similarity for every objective; TaCL "
-    "raises it least (0.45 against MLM-only's 0.55). See README, 'The miniature reproduction'."))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "does not reproduce at this scale: from all-MiniLM-L6-v2 (a contrastively fine-tuned sentence encoder whose "
+        "last layer is already nearly isotropic, intra-sentence 0.33, random-pair cosine 0.03) 200 steps of continued "
+        "pre-training with a freshly initialised MLM head raise intra-sentence similarity for every objective; TaCL "
+        "raises it least (0.45 against MLM-only's 0.55). See README, 'The miniature reproduction'."
+    ),
+)
 def test_tacl_lowers_intra_sentence_similarity_below_start(mini):
     check = mini["checks"]["tacl_intra_sentence_below_start"]
     assert check["holds"], describe(check)

@@ -8,6 +8,7 @@ Slurm needs root here (slurmd runs jobs as their users, and apt-get installs it 
 not root on a developer machine -> skipped, saying so; in CI (CI or TOKENCL_REQUIRE_SLURM set) ->
 a failure with the reason.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,9 +31,22 @@ SAMPLE = REPO / "preprocessing" / "sample_corpus"
 pytestmark = pytest.mark.multiproc
 
 # Shards: the README demo's build of the embedded sample corpus.
-BUILD_ARGS = ["--input", f"en:{SAMPLE / 'en.txt'}", "--input", f"zh:{SAMPLE / 'zh.jsonl'}",
-              "--train_tokenizer", "wordpiece", "--vocab_size", "3000", "--format", "packed",
-              "--max_seq_len", "64", "--seed", "0"]
+BUILD_ARGS = [
+    "--input",
+    f"en:{SAMPLE / 'en.txt'}",
+    "--input",
+    f"zh:{SAMPLE / 'zh.jsonl'}",
+    "--train_tokenizer",
+    "wordpiece",
+    "--vocab_size",
+    "3000",
+    "--format",
+    "packed",
+    "--max_seq_len",
+    "64",
+    "--seed",
+    "0",
+]
 # What scales the 64-GPU job down to this machine: 2 nodes x 1 CPU rank.
 SMALL_ALLOCATION = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem-per-cpu=1G"]
 
@@ -67,14 +81,16 @@ def job_env(cluster: SlurmCluster, **knobs: str) -> dict[str, str]:
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     # Node-local scratch (streaming cache, Ray's temp folder) inside the cluster's own short-named
     # folder: removed with it, never shared with another session's job of the same id.
-    env.update(PYTHON=sys.executable, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
-               LOCAL_DISK=str(cluster.root))
+    env.update(
+        PYTHON=sys.executable, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", LOCAL_DISK=str(cluster.root)
+    )
     env.update(knobs)
     return env
 
 
-def sbatch(cluster: SlurmCluster, script: Path, *options: str, env: dict[str, str], log: Path,
-           timeout_s: float = 300) -> tuple[int, int, str]:
+def sbatch(
+    cluster: SlurmCluster, script: Path, *options: str, env: dict[str, str], log: Path, timeout_s: float = 300
+) -> tuple[int, int, str]:
     """`sbatch --wait` -> (exit code, job id, job log)."""
     cmd = ["sbatch", "--wait", "--parsable", f"--output={log}", *options, str(script)]
     r = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
@@ -85,8 +101,10 @@ def sbatch(cluster: SlurmCluster, script: Path, *options: str, env: dict[str, st
 
 def test_two_fake_nodes_run_one_task_each(slurm, tmp_path):
     script = tmp_path / "hello.sh"
-    script.write_text("#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n"
-                      "srun bash -c 'echo task $SLURM_PROCID of $SLURM_NTASKS on $SLURMD_NODENAME'\n")
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n"
+        "srun bash -c 'echo task $SLURM_PROCID of $SLURM_NTASKS on $SLURMD_NODENAME'\n"
+    )
     rc, job, log = sbatch(slurm, script, env=job_env(slurm), log=tmp_path / "hello.out")
     assert rc == 0, log
     assert sorted(re.findall(r"task \d of 2 on n\d", log)) == ["task 0 of 2 on n1", "task 1 of 2 on n2"], log
@@ -103,8 +121,16 @@ TACO = REPO / "slurm" / "taco_64gpu.sh"
 def shards(tmp_path_factory) -> Path:
     """Shards made by our builder (its CLI, a local Ray), as a user would make them."""
     out = tmp_path_factory.mktemp("slurm_data") / "shards_local"
-    cmd = [sys.executable, str(REPO / "preprocessing" / "build_shards.py"), *BUILD_ARGS, "--output", str(out),
-           "--num_workers", "2", "--no_progress"]
+    cmd = [
+        sys.executable,
+        str(REPO / "preprocessing" / "build_shards.py"),
+        *BUILD_ARGS,
+        "--output",
+        str(out),
+        "--num_workers",
+        "2",
+        "--no_progress",
+    ]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return out
@@ -121,11 +147,19 @@ def ds_config(tmp_path_factory) -> Path:
     return path
 
 
-def taco_knobs(*, data: Path, save_dir: Path, ds_config: Path, max_steps: int, save_every: int = 1000,
-               **more: str) -> dict[str, str]:
-    knobs = dict(CPU_MODE="1", DATA=str(data), SAVE_DIR=str(save_dir), DS_CONFIG=str(ds_config),
-                 MODEL_CONFIG="tiny", MAX_STEPS=str(max_steps), SAVE_EVERY=str(save_every),
-                 EXTRA_ARGS="--num_workers 0 --log_every 1")
+def taco_knobs(
+    *, data: Path, save_dir: Path, ds_config: Path, max_steps: int, save_every: int = 1000, **more: str
+) -> dict[str, str]:
+    knobs = dict(
+        CPU_MODE="1",
+        DATA=str(data),
+        SAVE_DIR=str(save_dir),
+        DS_CONFIG=str(ds_config),
+        MODEL_CONFIG="tiny",
+        MAX_STEPS=str(max_steps),
+        SAVE_EVERY=str(save_every),
+        EXTRA_ARGS="--num_workers 0 --log_every 1",
+    )
     knobs.update(more)
     return knobs
 
@@ -155,8 +189,10 @@ def wait_for(predicate, *, timeout_s: float, what: str, log: Optional[Path] = No
 
 
 RANK_LINE = logs.pattern(r"rank (\d+) of world_size (\d+) \(local_rank (\d+), host \S+\)")
-TASK_LINE = re.compile(r"\[slurm\] node (\S+) task (\d+): RANK=(\d+) LOCAL_RANK=(\d+) WORLD_SIZE=(\d+) "
-                       r"LOCAL_WORLD_SIZE=(\d+) MASTER_ADDR=(\S+) MASTER_PORT=(\d+)")
+TASK_LINE = re.compile(
+    r"\[slurm\] node (\S+) task (\d+): RANK=(\d+) LOCAL_RANK=(\d+) WORLD_SIZE=(\d+) "
+    r"LOCAL_WORLD_SIZE=(\d+) MASTER_ADDR=(\S+) MASTER_PORT=(\d+)"
+)
 PREEMPTED = logs.pattern(r"pre-emption signal (SIGUSR1|SIGTERM): saved checkpoint at step (\d+)")
 RESUMED = logs.pattern(r"resumed from (\S+) at step (\d+)")
 DONE = logs.pattern(r"done: step (\d+)")
@@ -209,8 +245,12 @@ def test_preemption_saves_requeues_and_resumes(slurm, shards, ds_config, tmp_pat
         wait_for(lambda: max(metrics_steps(save), default=0) >= 3, timeout_s=180, what="step 3", log=log_path)
         subprocess.run(["scancel", "--signal=USR1", str(job)], env=slurm.env, check=True)
         first = int(wait_for(lambda: PREEMPTED.findall(log()), timeout_s=60, what="the 1st save", log=log_path)[0][1])
-        wait_for(lambda: RESUMED.findall(log()) and max(metrics_steps(save)) >= first + 3, timeout_s=180,
-                 what="the requeued run to train on", log=log_path)
+        wait_for(
+            lambda: RESUMED.findall(log()) and max(metrics_steps(save)) >= first + 3,
+            timeout_s=180,
+            what="the requeued run to train on",
+            log=log_path,
+        )
         subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], env=slurm.env, check=True)
         out, err = proc.communicate(timeout=300)
     finally:
@@ -247,8 +287,9 @@ def test_a_late_copy_of_the_preemption_signal_does_not_fail_the_job(slurm, shard
         wait_for(lambda: max(metrics_steps(save), default=0) >= 3, timeout_s=180, what="step 3", log=log_path)
         rank0, rank1 = (wait_for(lambda r=r: rank_pid(job, r), timeout_s=10, what=f"rank {r}") for r in (0, 1))
         os.kill(rank1, signal.SIGUSR1)
-        wait_for(lambda: PREEMPTED.search(log_path.read_text(errors="replace")), timeout_s=60, what="the save",
-                 log=log_path)
+        wait_for(
+            lambda: PREEMPTED.search(log_path.read_text(errors="replace")), timeout_s=60, what="the save", log=log_path
+        )
         while True:  # the late copy, until rank 0 has exited
             try:
                 os.kill(rank0, signal.SIGUSR1)
@@ -308,14 +349,19 @@ def start_job(cluster: SlurmCluster, env: dict[str, str], log: Path) -> tuple[su
 
 def test_killed_rank_fails_the_job_fast_and_the_resubmission_resumes(slurm, shards, ds_config, tmp_path):
     save, max_steps = tmp_path / "run", 120
-    env = job_env(slurm, **taco_knobs(data=shards, save_dir=save, ds_config=ds_config, max_steps=max_steps,
-                                      save_every=5))
+    env = job_env(
+        slurm, **taco_knobs(data=shards, save_dir=save, ds_config=ds_config, max_steps=max_steps, save_every=5)
+    )
     log1 = tmp_path / "killed.out"
     proc, job = start_job(slurm, env, log1)
     try:
         latest = save / "checkpoints" / "latest"
-        wait_for(lambda: latest.exists() and latest.read_text().strip() >= "step_00000010", timeout_s=180,
-                 what="checkpoint step 10", log=log1)
+        wait_for(
+            lambda: latest.exists() and latest.read_text().strip() >= "step_00000010",
+            timeout_s=180,
+            what="checkpoint step 10",
+            log=log1,
+        )
         pid = wait_for(lambda: rank_pid(job, 1), timeout_s=10, what="rank 1's pid")
         killed_at = time.time()
         os.kill(pid, signal.SIGKILL)
@@ -337,8 +383,14 @@ def test_killed_rank_fails_the_job_fast_and_the_resubmission_resumes(slurm, shar
     # `bash slurm/taco_64gpu.sh [sbatch options]` calls sbatch with them.
     log2 = tmp_path / "resubmitted.out"
     env2 = {**env, "NODES": "2", "GPUS_PER_NODE": "1"}
-    r = subprocess.run(["bash", str(TACO), "--wait", f"--output={log2}", "--cpus-per-task=1", "--mem-per-cpu=1G"],
-                       env=env2, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        ["bash", str(TACO), "--wait", f"--output={log2}", "--cpus-per-task=1", "--mem-per-cpu=1G"],
+        env=env2,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     text2 = log2.read_text(errors="replace") if log2.exists() else ""
     assert r.returncode == 0, text2[-6000:] + r.stdout + r.stderr
     assert "--nodes=2 --ntasks-per-node=1 --gpus-per-node=0" in r.stdout  # the sbatch line it ran
@@ -350,8 +402,10 @@ def test_hung_rank_fails_the_job_after_the_collective_timeout(slurm, shards, ds_
     """A rank that stops answering (SIGSTOP: alive, so srun sees no exit) is caught by the
     trainer's --dist_timeout_s on the other rank; srun then ends the stopped one."""
     save, timeout_s = tmp_path / "run", 20
-    env = job_env(slurm, **taco_knobs(data=shards, save_dir=save, ds_config=ds_config, max_steps=100000,
-                                      DIST_TIMEOUT_S=str(timeout_s)))
+    env = job_env(
+        slurm,
+        **taco_knobs(data=shards, save_dir=save, ds_config=ds_config, max_steps=100000, DIST_TIMEOUT_S=str(timeout_s)),
+    )
     log = tmp_path / "hung.out"
     proc, job = start_job(slurm, env, log)
     try:
@@ -418,8 +472,9 @@ def sample_hashes(root: Path) -> list[str]:
 
 def build_knobs(out: Path, **more: str) -> dict[str, str]:
     inputs = " ".join(BUILD_ARGS[i + 1] for i, a in enumerate(BUILD_ARGS) if a == "--input")
-    knobs = dict(INPUTS=inputs, OUTPUT=str(out), FORMAT="packed", MAX_SEQ_LEN="64", SEED="0",
-                 EXTRA_ARGS="--no_progress")
+    knobs = dict(
+        INPUTS=inputs, OUTPUT=str(out), FORMAT="packed", MAX_SEQ_LEN="64", SEED="0", EXTRA_ARGS="--no_progress"
+    )
     knobs.update(more)
     return knobs
 
@@ -430,8 +485,9 @@ def test_build_shards_ray_on_one_node_writes_the_same_shards_as_a_local_build(sl
     loopback (see ENVIRONMENT.md)."""
     out = tmp_path / "shards_slurm"
     env = job_env(slurm, RAY_LOOPBACK="1", **build_knobs(out, TRAIN_TOKENIZER="wordpiece", VOCAB_SIZE="3000"))
-    rc, job, log = sbatch(slurm, BUILD, "--nodes=1", "--cpus-per-task=2", "--mem-per-cpu=1G", env=env,
-                          log=tmp_path / "build.out")
+    rc, job, log = sbatch(
+        slurm, BUILD, "--nodes=1", "--cpus-per-task=2", "--mem-per-cpu=1G", env=env, log=tmp_path / "build.out"
+    )
     assert rc == 0, log[-6000:]
     assert "[slurm] Ray is up: 1 node(s)" in log and "--ray_address auto" in log
     # Stopped by SIGTERM to `ray start` alone, which then stops its node: not killed with its step.
@@ -448,8 +504,9 @@ def test_build_shards_ray_on_one_node_writes_the_same_shards_as_a_local_build(sl
 def test_build_shards_ray_dry_run_in_a_two_node_allocation_starts_a_worker_per_node(slurm, tmp_path):
     out = tmp_path / "never_written"
     env = job_env(slurm, DRY_RUN="1", **build_knobs(out, TRAIN_TOKENIZER="wordpiece", VOCAB_SIZE="3000"))
-    rc, job, log = sbatch(slurm, BUILD, "--nodes=2", "--cpus-per-task=2", "--mem-per-cpu=1G", env=env,
-                          log=tmp_path / "dry.out")
+    rc, job, log = sbatch(
+        slurm, BUILD, "--nodes=2", "--cpus-per-task=2", "--mem-per-cpu=1G", env=env, log=tmp_path / "dry.out"
+    )
     assert rc == 0, log
     port = 30000 + job % 2000
     cmds = [line for line in log.splitlines() if line.startswith("+ ")]
@@ -466,6 +523,7 @@ def test_build_shards_ray_dry_run_in_a_two_node_allocation_starts_a_worker_per_n
 
     # Loopback Ray cannot span two nodes: said before anything starts.
     env["RAY_LOOPBACK"], env["DRY_RUN"] = "1", "0"
-    rc, _, log = sbatch(slurm, BUILD, "--nodes=2", "--cpus-per-task=2", "--mem-per-cpu=1G", env=env,
-                        log=tmp_path / "loopback.out")
+    rc, _, log = sbatch(
+        slurm, BUILD, "--nodes=2", "--cpus-per-task=2", "--mem-per-cpu=1G", env=env, log=tmp_path / "loopback.out"
+    )
     assert rc == 2 and "RAY_LOOPBACK=1 keeps Ray on 127.0.0.1" in log, log

@@ -1,6 +1,7 @@
 """The trainer's helpers in pipeline.distributed, on 2 real gloo ranks, against what one process
 computes from both ranks' inputs: any_rank_flags, all_gather_object, node_on_host, and
 bound_new_group_timeouts (a group DeepSpeed creates later still times out)."""
+
 from __future__ import annotations
 
 import json
@@ -48,15 +49,28 @@ def _run(tmp_path, *, local_world_size: int) -> list[dict]:
     script.write_text(SCRIPT)
     port, procs = free_port(), []
     for r in range(2):
-        env = launch_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r % local_world_size),
-                         LOCAL_WORLD_SIZE=str(local_world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=env,
-                                      stdout=open(tmp_path / f"o{r}", "w"), stderr=open(tmp_path / f"e{r}", "w")))
-    for r, p in enumerate(procs):
+        env = launch_env(
+            RANK=str(r),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(r % local_world_size),
+            LOCAL_WORLD_SIZE=str(local_world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                cwd=REPO,
+                env=env,
+                stdout=open(tmp_path / f"o{r}", "w"),
+                stderr=open(tmp_path / f"e{r}", "w"),
+            )
+        )
+    for p in procs:
         p.wait(timeout=180)
     outs = []
     for r in range(2):
-        lines = [l for l in (tmp_path / f"o{r}").read_text().splitlines() if l.startswith("OUT ")]
+        lines = [line for line in (tmp_path / f"o{r}").read_text().splitlines() if line.startswith("OUT ")]
         assert lines, (tmp_path / f"e{r}").read_text()[-3000:]
         outs.append(json.loads(lines[0][4:]))
     return outs

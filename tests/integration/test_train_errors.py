@@ -1,6 +1,7 @@
 """The two kinds of failure, told apart: a user error exits 2 with one line naming the flag and the fix;
 a bug (here a ValueError injected into the loss computation of one rank) exits 1 with its traceback
 naming the function, and the other rank does not hang past --dist_timeout_s."""
+
 from __future__ import annotations
 
 import subprocess
@@ -23,10 +24,21 @@ def shards(tmp_path_factory) -> dict[str, Path]:
 
 def test_a_bad_value_is_one_line_and_exit_2(tmp_path, shards):
     ds = write_ds_config(tmp_path / "ds.json", micro=4)
-    args = train_args(ds_config=ds, objective="taco", data=[shards["packed32"]], save_dir=tmp_path / "r",
-                      max_steps=2, extra=["--taco_window", "4"])
-    r = subprocess.run([sys.executable, str(REPO / "pipeline" / "train.py"), *args], capture_output=True, text=True,
-                       env=launch_env(), timeout=120)
+    args = train_args(
+        ds_config=ds,
+        objective="taco",
+        data=[shards["packed32"]],
+        save_dir=tmp_path / "r",
+        max_steps=2,
+        extra=["--taco_window", "4"],
+    )
+    r = subprocess.run(
+        [sys.executable, str(REPO / "pipeline" / "train.py"), *args],
+        capture_output=True,
+        text=True,
+        env=launch_env(),
+        timeout=120,
+    )
     assert r.returncode == 2
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert lines == ["train.py: error: --taco_window must be odd and >= 3, got 4"], r.stderr
@@ -59,8 +71,14 @@ def test_an_internal_error_keeps_its_traceback_and_exits_1(tmp_path, shards):
     script.write_text(INJECT.format(repo=str(REPO)))
     ds = write_ds_config(tmp_path / "ds.json", micro=4)
     timeout_s = 30
-    args = train_args(ds_config=ds, objective="mlm", data=[shards["packed32"]], save_dir=tmp_path / "r",
-                      max_steps=50, extra=["--dist_timeout_s", str(timeout_s)])
+    args = train_args(
+        ds_config=ds,
+        objective="mlm",
+        data=[shards["packed32"]],
+        save_dir=tmp_path / "r",
+        max_steps=50,
+        extra=["--dist_timeout_s", str(timeout_s)],
+    )
     cmd = deepspeed_cmd(free_port(), args)
     cmd[cmd.index(str(REPO / "pipeline" / "train.py"))] = str(script)
     t0 = time.time()

@@ -2,6 +2,7 @@
 ranks, gloo): the loss goes down on a small fixed dataset and every metrics field is there; TaCL
 from a real pre-trained checkpoint; the NaN guard aborts naming the step; the launcher-level
 fail-fast exits 2 before any process group exists."""
+
 from __future__ import annotations
 
 import json
@@ -12,13 +13,41 @@ import pytest
 import torch
 
 from tests.support import logs
-from tests.support.trainer import (explain, free_port, minilm_dir, read_metrics, read_trace, run_deepspeed, session_run,
-                              shard_sets, tacl_straight, train_args, write_ds_config)
+from tests.support.trainer import (
+    explain,
+    free_port,
+    minilm_dir,
+    read_metrics,
+    read_trace,
+    run_deepspeed,
+    session_run,
+    shard_sets,
+    tacl_straight,
+    train_args,
+    write_ds_config,
+)
 
 pytestmark = pytest.mark.multiproc
 
-COMMON = {"step", "loss", "mlm_loss", "mlm_acc", "lr", "grad_norm", "loss_scale", "tokens_per_s", "samples_per_s",
-          "tflops_per_s", "mfu", "step_time_s", "mem_gb", "mem_kind", "skipped_micro_batches", "overflow_steps", "time"}
+COMMON = {
+    "step",
+    "loss",
+    "mlm_loss",
+    "mlm_acc",
+    "lr",
+    "grad_norm",
+    "loss_scale",
+    "tokens_per_s",
+    "samples_per_s",
+    "tflops_per_s",
+    "mfu",
+    "step_time_s",
+    "mem_gb",
+    "mem_kind",
+    "skipped_micro_batches",
+    "overflow_steps",
+    "time",
+}
 TERMS = {"mlm": set(), "taco": {"tc_loss", "tc_acc"}, "tacl": {"nsp_loss", "nsp_acc", "tacl_loss", "tacl_acc"}}
 
 
@@ -39,9 +68,18 @@ def _run(objective: str, tmp_path_factory, shards, ds) -> Path:
         data, extra = [shards["packed32"], shards["packed32_zh"]], ["--data_weights", "0.5,0.5", "--trace_samples"]
     else:
         data, extra = [shards["packed32"]], []
-    return session_run(tmp_path_factory, objective, lambda save: train_args(
-        ds_config=ds, objective=objective, data=data, save_dir=save, max_steps=60,
-        extra=["--lr", "5e-3", "--save_every", "60", *extra]))[0]
+    return session_run(
+        tmp_path_factory,
+        objective,
+        lambda save: train_args(
+            ds_config=ds,
+            objective=objective,
+            data=data,
+            save_dir=save,
+            max_steps=60,
+            extra=["--lr", "5e-3", "--save_every", "60", *extra],
+        ),
+    )[0]
 
 
 @pytest.mark.parametrize("objective", ["mlm", "taco", "tacl"])
@@ -52,7 +90,13 @@ def test_objective_trains_and_logs_every_field(objective, tmp_path_factory, shar
     for r in rows:
         assert set(r) == COMMON | TERMS[objective], set(r) ^ (COMMON | TERMS[objective])
         assert r["mfu"] is None and r["mem_kind"] == "cpu_max_rss"  # no known peak on CPU
-        assert r["loss_scale"] == 1.0 and r["overflow_steps"] == 0 and r["tokens_per_s"] > 0 and r["samples_per_s"] > 0 and r["mem_gb"] > 0
+        assert (
+            r["loss_scale"] == 1.0
+            and r["overflow_steps"] == 0
+            and r["tokens_per_s"] > 0
+            and r["samples_per_s"] > 0
+            and r["mem_gb"] > 0
+        )
         assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
         parts = r["mlm_loss"] + r.get("nsp_loss", 0) + r.get("tacl_loss", 0) + r.get("tc_loss", 0)
         assert abs(r["loss"] - parts) < 1e-4 * max(1.0, abs(r["loss"]))
@@ -64,14 +108,22 @@ def test_objective_trains_and_logs_every_field(objective, tmp_path_factory, shar
     config = json.loads((save / "config.json").read_text())
     assert config["objective"]["objective"] == objective
     micro, accum = (2, 2) if objective == "tacl" else (4, 1)  # read back from the engine, not set twice
-    assert config["engine"] == {"micro_batch_per_rank": micro, "gradient_accumulation_steps": accum, "world_size": 2,
-                                "global_batch": 8, "dtype": "bfloat16", "device": "cpu"}
+    assert config["engine"] == {
+        "micro_batch_per_rank": micro,
+        "gradient_accumulation_steps": accum,
+        "world_size": 2,
+        "global_batch": 8,
+        "dtype": "bfloat16",
+        "device": "cpu",
+    }
 
 
 def test_mixing_weights_draw_from_both_languages(tmp_path_factory, shards, ds):
     save = _run("mlm", tmp_path_factory, shards, ds)
-    en = sum(json.loads((shards["packed32"] / "index.json").read_text())["shards"][i]["samples"]
-             for i in range(len(json.loads((shards["packed32"] / "index.json").read_text())["shards"])))
+    en = sum(
+        json.loads((shards["packed32"] / "index.json").read_text())["shards"][i]["samples"]
+        for i in range(len(json.loads((shards["packed32"] / "index.json").read_text())["shards"]))
+    )
     ids = [i for step in read_trace(save).values() for rank in step for i in rank]
     zh_share = sum(i >= en for i in ids) / len(ids)  # stream 2's samples come after stream 1's
     assert 0.3 < zh_share < 0.7, zh_share
@@ -84,9 +136,17 @@ def test_tacl_from_the_real_pretrained_checkpoint(tmp_path, shards):
 
     ds = write_ds_config(tmp_path / "ds.json", micro=2)
     save = tmp_path / "minilm"
-    proc = run_deepspeed(free_port(), train_args(
-        ds_config=ds, objective="tacl", data=[shards["nsp48_minilm"]], save_dir=save, max_steps=4,
-        extra=["--init_from", str(minilm_dir()), "--lr", "5e-5", "--save_every", "4"]))
+    proc = run_deepspeed(
+        free_port(),
+        train_args(
+            ds_config=ds,
+            objective="tacl",
+            data=[shards["nsp48_minilm"]],
+            save_dir=save,
+            max_steps=4,
+            extra=["--init_from", str(minilm_dir()), "--lr", "5e-5", "--save_every", "4"],
+        ),
+    )
     assert proc.returncode == 0, explain(proc)
     assert logs.has(proc.stdout, f"initialised from {minilm_dir()}")
     assert "not in the checkpoint, initialised at random: " in proc.stdout
@@ -106,9 +166,26 @@ def test_tacl_from_the_real_pretrained_checkpoint(tmp_path, shards):
 
 
 def test_nan_losses_in_a_row_abort_naming_the_step(tmp_path, shards, ds):
-    proc = run_deepspeed(free_port(), train_args(
-        ds_config=ds, objective="mlm", data=[shards["packed32"]], save_dir=tmp_path / "nan", max_steps=6,
-        extra=["--debug_nan_steps", "3", "--debug_nan_rank", "1", "--debug_nan_attempts", "99", "--max_nonfinite", "3"]))
+    proc = run_deepspeed(
+        free_port(),
+        train_args(
+            ds_config=ds,
+            objective="mlm",
+            data=[shards["packed32"]],
+            save_dir=tmp_path / "nan",
+            max_steps=6,
+            extra=[
+                "--debug_nan_steps",
+                "3",
+                "--debug_nan_rank",
+                "1",
+                "--debug_nan_attempts",
+                "99",
+                "--max_nonfinite",
+                "3",
+            ],
+        ),
+    )
     assert proc.returncode != 0
     assert "loss was NaN/inf for 3 micro-batches in a row, the last at step 3" in proc.stdout + proc.stderr
     # Both ranks skipped in lockstep (rank 0's loss was finite) and said so once each time.
@@ -117,9 +194,13 @@ def test_nan_losses_in_a_row_abort_naming_the_step(tmp_path, shards, ds):
 
 def test_launcher_fails_fast_on_a_batch_identity_that_does_not_hold(tmp_path, shards):
     bad = write_ds_config(tmp_path / "bad.json", micro=4, train_batch_size=12)
-    proc = run_deepspeed(free_port(), train_args(ds_config=bad, objective="mlm", data=[shards["packed32"]],
-                                                 save_dir=tmp_path / "r", max_steps=2))
+    proc = run_deepspeed(
+        free_port(),
+        train_args(ds_config=bad, objective="mlm", data=[shards["packed32"]], save_dir=tmp_path / "r", max_steps=2),
+    )
     assert proc.returncode == 2, explain(proc)
-    assert "train_batch_size=12 does not equal train_micro_batch_size_per_gpu=4 x gradient_accumulation_steps=1 x " \
-           "world size 2" in proc.stderr
+    assert (
+        "train_batch_size=12 does not equal train_micro_batch_size_per_gpu=4 x gradient_accumulation_steps=1 x "
+        "world size 2" in proc.stderr
+    )
     assert not logs.has(proc.stdout, "rank ")  # before any process group (or GPU) work

@@ -1,6 +1,7 @@
 """Fail fast, before any process group or device work: every bad-input case of the issue, through
 the same parse_args + prepare the entry point runs; plus the paper defaults per objective and the
 DeepSpeed JSON's ownership rules."""
+
 from __future__ import annotations
 
 import json
@@ -9,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.data.shards import ShardError
 from pipeline.training.config import PAPER_DEFAULTS, ScheduleArgs, parse_args
 from pipeline.training.ds_config import resolve_ds_config
-from pipeline.data.shards import ShardError
 from pipeline.training.preflight import prepare
 from tests.support.trainer import REPO, minilm_dir, shard_sets, write_ds_config
 
@@ -47,7 +48,9 @@ def test_a_good_job_passes(shards, ds, tmp_path):
 
 def test_tokenizer_model_vocabulary_mismatch(shards, ds, tmp_path):
     # MiniLM's 30522-token model with the shards' small tokenizer.
-    with pytest.raises(ValueError, match=r"--init_from .* has vocab_size 30522 but tokenizer .*tokenizer has \d+ tokens"):
+    with pytest.raises(
+        ValueError, match=r"--init_from .* has vocab_size 30522 but tokenizer .*tokenizer has \d+ tokens"
+    ):
         prepare(parse_args(args(ds, shards["nsp48"], tmp_path / "r", extra=["--init_from", str(minilm_dir())])))
     # MiniLM's tokenizer with shards built by another one.
     with pytest.raises(ValueError, match=r"shards were built with a \d+-token vocabulary"):
@@ -57,17 +60,32 @@ def test_tokenizer_model_vocabulary_mismatch(shards, ds, tmp_path):
 def test_max_seq_len_above_max_position_embeddings(shards, ds, tmp_path):
     tok_size = len(__import__("transformers").AutoTokenizer.from_pretrained(shards["packed32"] / "tokenizer"))
     cfg = tmp_path / "small.json"
-    cfg.write_text(json.dumps({"vocab_size": tok_size, "hidden_size": 32, "num_hidden_layers": 1,
-                               "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 16}))
-    with pytest.raises(ValueError, match=r"up to 32 tokens but --model_config .*small.json has max_position_embeddings 16"):
+    cfg.write_text(
+        json.dumps(
+            {
+                "vocab_size": tok_size,
+                "hidden_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "intermediate_size": 64,
+                "max_position_embeddings": 16,
+            }
+        )
+    )
+    with pytest.raises(
+        ValueError, match=r"up to 32 tokens but --model_config .*small.json has max_position_embeddings 16"
+    ):
         prepare(parse_args(args(ds, shards["packed32"], tmp_path / "r", extra=["--model_config", str(cfg)])))
 
 
 def test_batch_identity_must_hold_for_the_world_size(shards, tmp_path, monkeypatch):
     bad = write_ds_config(tmp_path / "bad.json", micro=4, accum=1, train_batch_size=6)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match=r"train_batch_size=6 does not equal train_micro_batch_size_per_gpu=4 x "
-                                         r"gradient_accumulation_steps=1 x world size 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"train_batch_size=6 does not equal train_micro_batch_size_per_gpu=4 x "
+        r"gradient_accumulation_steps=1 x world size 2",
+    ):
         prepare(parse_args(args(bad, shards["packed32"], tmp_path / "r")))
     good = write_ds_config(tmp_path / "good.json", micro=4, accum=1, train_batch_size=8)
     assert prepare(parse_args(args(good, shards["packed32"], tmp_path / "r"))).world_size == 2
@@ -88,16 +106,29 @@ def test_missing_or_empty_data(ds, tmp_path):
     with pytest.raises(ValueError, match=r"--data .*empty: the index lists no samples"):
         prepare(parse_args(args(ds, empty, tmp_path / "r")))
     with pytest.raises(SystemExit) as e:  # no --data at all: argparse, exit 2
-        parse_args(["--ds_config", str(ds), "--objective", "mlm", "--model_config", "tiny", "--max_steps", "1",
-                    "--save_dir", str(tmp_path)])
+        parse_args(
+            [
+                "--ds_config",
+                str(ds),
+                "--objective",
+                "mlm",
+                "--model_config",
+                "tiny",
+                "--max_steps",
+                "1",
+                "--save_dir",
+                str(tmp_path),
+            ]
+        )
     assert e.value.code == 2
 
 
 def test_objective_data_mismatch(shards, ds, tmp_path):
     with pytest.raises(ValueError, match=r"--objective tacl trains on NSP pairs.*packed shards"):
         prepare(parse_args(args(ds, shards["packed32"], tmp_path / "r", objective="tacl")))
-    assert not prepare(parse_args(args(ds, shards["packed32"], tmp_path / "r", objective="tacl",
-                                       extra=["--nsp", "off"]))).use_nsp
+    assert not prepare(
+        parse_args(args(ds, shards["packed32"], tmp_path / "r", objective="tacl", extra=["--nsp", "off"]))
+    ).use_nsp
     with pytest.raises(ValueError, match=r"--objective taco trains on packed blocks.*nsp shards"):
         prepare(parse_args(args(ds, shards["nsp48"], tmp_path / "r", objective="taco")))
 
@@ -126,8 +157,12 @@ def test_the_json_owns_batch_and_precision_and_we_own_the_schedule(tmp_path):
     sched = ScheduleArgs(max_steps=100, lr=3e-4, warmup_steps=7)
     out = resolve_ds_config(base, schedule=sched, world_size=8, path="z.json")
     assert out["optimizer"]["params"]["lr"] == 3e-4
-    assert out["scheduler"]["params"] == {**base["scheduler"]["params"], "warmup_max_lr": 3e-4,
-                                          "warmup_num_steps": 7, "total_num_steps": 100}
+    assert out["scheduler"]["params"] == {
+        **base["scheduler"]["params"],
+        "warmup_max_lr": 3e-4,
+        "warmup_num_steps": 7,
+        "total_num_steps": 100,
+    }
     assert "train_batch_size" not in out  # follows the world size
     for where, key in (("optimizer", "lr"), ("scheduler", "warmup_num_steps"), ("scheduler", "total_num_steps")):
         twice = json.loads(json.dumps(base))
@@ -151,8 +186,14 @@ def test_paper_defaults_per_objective(shards, ds, tmp_path):
     assert (tacl.schedule.lr, tacl.schedule.warmup_steps, tacl.objective.nsp) == (1e-4, 15000, "on")
     assert (tacl.objective.tacl_temperature, tacl.data.mask_prob) == (0.01, 0.15)
     taco = parse_args([*common, "--objective", "taco", "--max_steps", "500000"])
-    assert (taco.schedule.warmup_steps, taco.objective.taco_temperature, taco.objective.taco_window,
-            taco.objective.taco_num_negatives, taco.objective.taco_lambda, taco.objective.nsp) == (10000, 0.07, 5, 50, 1.0, "off")
+    assert (
+        taco.schedule.warmup_steps,
+        taco.objective.taco_temperature,
+        taco.objective.taco_window,
+        taco.objective.taco_num_negatives,
+        taco.objective.taco_lambda,
+        taco.objective.nsp,
+    ) == (10000, 0.07, 5, 50, 1.0, "off")
     short = parse_args([*common, "--objective", "taco", "--max_steps", "30"])
     assert short.schedule.warmup_steps == 3 and "warm-up" in short.notes[0]  # capped, and said so
     assert parse_args([*common, "--objective", "mlm", "--max_steps", "10"]).objective.nsp == "auto"

@@ -1,5 +1,6 @@
 """Checkpoints with real DeepSpeed (2 CPU ranks, gloo): exact resume, SIGTERM pre-emption, a
 save that died half-way, the frozen teacher, and two "nodes" on one machine."""
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,22 @@ import torch
 
 from pipeline.training.checkpoint import latest_checkpoint, list_checkpoints
 from tests.support import logs
-from tests.support.trainer import (REPO, deepspeed_cmd, explain, free_port, launch_env, read_metrics, read_trace,
-                              run_deepspeed, shard_sets, tacl_args, tacl_ds, tacl_straight, train_args,
-                              write_ds_config)
+from tests.support.trainer import (
+    REPO,
+    deepspeed_cmd,
+    explain,
+    free_port,
+    launch_env,
+    read_metrics,
+    read_trace,
+    run_deepspeed,
+    shard_sets,
+    tacl_args,
+    tacl_ds,
+    tacl_straight,
+    train_args,
+    write_ds_config,
+)
 
 pytestmark = pytest.mark.multiproc
 N = 8
@@ -64,8 +78,14 @@ def test_resume_continues_exactly(tmp_path_factory, shards, tmp_path):
 
 def test_sigterm_saves_and_exits_0_then_resumes(shards, ds, tmp_path):
     save = tmp_path / "pre"
-    args = train_args(ds_config=ds, objective="taco", data=[shards["packed32"]], save_dir=save, max_steps=400,
-                      extra=["--save_every", "1000"])
+    args = train_args(
+        ds_config=ds,
+        objective="taco",
+        data=[shards["packed32"]],
+        save_dir=save,
+        max_steps=400,
+        extra=["--save_every", "1000"],
+    )
     out, err = open(tmp_path / "out.log", "w"), open(tmp_path / "err.log", "w")
     launcher = subprocess.Popen(deepspeed_cmd(free_port(), args), cwd=REPO, env=launch_env(), stdout=out, stderr=err)
     try:
@@ -78,8 +98,11 @@ def test_sigterm_saves_and_exits_0_then_resumes(shards, ds, tmp_path):
             time.sleep(0.2)
         # As Slurm does: the signal reaches every process of the job (ranks and their loader
         # workers), not the launcher.
-        ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True)
-                 if "pipeline/train.py" in " ".join(p.cmdline()) and "deepspeed.launcher" not in " ".join(p.cmdline())]
+        ranks = [
+            p
+            for p in psutil.Process(launcher.pid).children(recursive=True)
+            if "pipeline/train.py" in " ".join(p.cmdline()) and "deepspeed.launcher" not in " ".join(p.cmdline())
+        ]
         assert len(ranks) >= 2
         for p in ranks:
             p.send_signal(signal.SIGTERM)
@@ -94,8 +117,17 @@ def test_sigterm_saves_and_exits_0_then_resumes(shards, ds, tmp_path):
     assert 3 <= k < 400 and latest_checkpoint(save) == (k, save / "checkpoints" / f"step_{k:08d}")
     assert not logs.has(stdout, "done:")
     assert read_metrics(save)[-1]["step"] == k
-    resumed = run_deepspeed(free_port(), train_args(ds_config=ds, objective="taco", data=[shards["packed32"]], save_dir=save,
-                                                    max_steps=400, extra=["--resume", "auto", "--stop_after_step", str(k + 2)]))
+    resumed = run_deepspeed(
+        free_port(),
+        train_args(
+            ds_config=ds,
+            objective="taco",
+            data=[shards["packed32"]],
+            save_dir=save,
+            max_steps=400,
+            extra=["--resume", "auto", "--stop_after_step", str(k + 2)],
+        ),
+    )
     assert resumed.returncode == 0, explain(resumed)
     assert logs.has(resumed.stdout, f"resumed from {save / 'checkpoints' / f'step_{k:08d}'} at step {k}")
     assert [r["step"] for r in read_metrics(save)][-3:] == [k, k + 1, k + 2]
@@ -118,8 +150,9 @@ def test_a_checkpoint_that_died_half_written_is_never_used(tmp_path_factory, sha
     (save / "checkpoints" / "latest").write_text("step_00000024\n")  # even a `latest` pointing at it
     assert latest_checkpoint(save)[0] == 16
     assert [s for s, _ in list_checkpoints(save)] == [8, 16]
-    proc = run_deepspeed(free_port(), tacl_args(shards, ds, save, max_steps=18, extra=["--resume", "auto",
-                                                                                      "--extend_schedule"]))
+    proc = run_deepspeed(
+        free_port(), tacl_args(shards, ds, save, max_steps=18, extra=["--resume", "auto", "--extend_schedule"])
+    )
     assert proc.returncode == 0, explain(proc)
     assert "at step 16" in proc.stdout and logs.has(proc.stdout, "done: step 18")
 
@@ -137,8 +170,9 @@ def test_the_teacher_gets_no_gradient_and_never_changes(tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(straight / "checkpoints" / "step_00000016" / "hf")
     torch.manual_seed(0)
     initial = Student(BertForPreTraining(bert_config("tiny", vocab_size=len(tok))))
-    assert states["teacher_fingerprint"] == fingerprint(build_teacher(initial, dtype=torch.bfloat16,
-                                                                      device=torch.device("cpu")))
+    assert states["teacher_fingerprint"] == fingerprint(
+        build_teacher(initial, dtype=torch.bfloat16, device=torch.device("cpu"))
+    )
     # Not in the engine: the module states and the optimizer's partitions hold the student alone.
     assert all(k.startswith("net.") for k in states["module"])
     student_numel = sum(p.numel() for p in initial.parameters())
@@ -152,15 +186,42 @@ def test_the_teacher_gets_no_gradient_and_never_changes(tmp_path_factory):
 def test_two_nodes_on_one_machine(shards, ds, tmp_path):
     """Two launchers (node ranks 0 and 1, one process each) on 127.0.0.1, as two hosts would run."""
     save, port = tmp_path / "twonode", free_port()
-    args = train_args(ds_config=ds, objective="mlm", data=[shards["packed32"]], save_dir=save, max_steps=6,
-                      extra=["--trace_samples", "--save_every", "3"])
+    args = train_args(
+        ds_config=ds,
+        objective="mlm",
+        data=[shards["packed32"]],
+        save_dir=save,
+        max_steps=6,
+        extra=["--trace_samples", "--save_every", "3"],
+    )
     procs = []
     for node in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
-               "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
-               str(REPO / "pipeline" / "train.py"), *args]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=open(tmp_path / f"n{node}.out", "w"),
-                                      stderr=open(tmp_path / f"n{node}.err", "w")))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--node_rank",
+            str(node),
+            "--nproc_per_node",
+            "1",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            str(REPO / "pipeline" / "train.py"),
+            *args,
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=REPO,
+                env=launch_env(),
+                stdout=open(tmp_path / f"n{node}.out", "w"),
+                stderr=open(tmp_path / f"n{node}.err", "w"),
+            )
+        )
     for node, p in enumerate(procs):
         assert p.wait(timeout=400) == 0, (tmp_path / f"n{node}.err").read_text()[-3000:]
     outs = [(tmp_path / f"n{n}.out").read_text() for n in range(2)]
@@ -179,20 +240,29 @@ def test_a_hung_rank_fails_the_others_within_dist_timeout(shards, ds, tmp_path):
     """A rank that stops answering (SIGSTOP: no crash, no closed socket) must not hang the job:
     the others' next collective fails after --dist_timeout_s."""
     save, timeout_s = tmp_path / "hang", 10
-    args = train_args(ds_config=ds, objective="mlm", data=[shards["packed32"]], save_dir=save, max_steps=100000,
-                      extra=["--save_every", "100000", "--dist_timeout_s", str(timeout_s)])
+    args = train_args(
+        ds_config=ds,
+        objective="mlm",
+        data=[shards["packed32"]],
+        save_dir=save,
+        max_steps=100000,
+        extra=["--save_every", "100000", "--dist_timeout_s", str(timeout_s)],
+    )
     out, err = open(tmp_path / "out.log", "w"), open(tmp_path / "err.log", "w")
     # faulthandler: if rank 0 does hang, SIGABRT makes it print where.
     port = free_port()
-    launcher = subprocess.Popen(deepspeed_cmd(port, args), cwd=REPO, env=launch_env(PYTHONFAULTHANDLER="1"),
-                                stdout=out, stderr=err)
+    launcher = subprocess.Popen(
+        deepspeed_cmd(port, args), cwd=REPO, env=launch_env(PYTHONFAULTHANDLER="1"), stdout=out, stderr=err
+    )
     stopped = None
     try:
         deadline = time.time() + 300
         while not ((save / "metrics.jsonl").exists() and len((save / "metrics.jsonl").read_text().splitlines()) >= 2):
             assert time.time() < deadline and launcher.poll() is None, (tmp_path / "err.log").read_text()[-3000:]
             time.sleep(0.2)
-        launch = next(c for c in psutil.Process(launcher.pid).children() if "deepspeed.launcher.launch" in " ".join(c.cmdline()))
+        launch = next(
+            c for c in psutil.Process(launcher.pid).children() if "deepspeed.launcher.launch" in " ".join(c.cmdline())
+        )
         ranks = {int(re.search(r"--local_rank=(\d)", " ".join(p.cmdline())).group(1)): p for p in launch.children()}
         stopped = ranks[1]
         stopped.suspend()
@@ -202,8 +272,10 @@ def test_a_hung_rank_fails_the_others_within_dist_timeout(shards, ds, tmp_path):
         except psutil.TimeoutExpired:
             ranks[0].send_signal(signal.SIGABRT)
             time.sleep(3)
-            pytest.fail(f"rank 0 still running {time.time() - t0:.0f} s after rank 1 hung:\n"
-                        + (tmp_path / "err.log").read_text()[-3000:])
+            pytest.fail(
+                f"rank 0 still running {time.time() - t0:.0f} s after rank 1 hung:\n"
+                + (tmp_path / "err.log").read_text()[-3000:]
+            )
     finally:
         if stopped is not None:
             stopped.kill()

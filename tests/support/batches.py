@@ -1,4 +1,5 @@
 """Collated batches of synthetic NSP samples and a tiny dropout-free BERT, for the encoder tests."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,8 +21,13 @@ def samples(lengths, *, seed=0, nsp=True):
         a = n // 2
         ids = np.concatenate([[2], rng.integers(5, V, a - 2), [3], rng.integers(5, V, n - a - 1), [3]])
         types = np.r_[np.zeros(a), np.ones(n - a)].astype(np.uint8)
-        s = {"input_ids": ids.astype(np.uint16), "token_type_ids": types, "word_starts": np.ones(n, np.uint8),
-             "sample_id": 100 + i, "epoch": 0}
+        s = {
+            "input_ids": ids.astype(np.uint16),
+            "token_type_ids": types,
+            "word_starts": np.ones(n, np.uint8),
+            "sample_id": 100 + i,
+            "epoch": 0,
+        }
         if nsp:
             s["nsp_label"] = i % 2
         out.append(s)
@@ -31,7 +37,8 @@ def samples(lengths, *, seed=0, nsp=True):
 def collate(lengths, *, padding="remove", nsp=True, seed=0):
     spec = MaskingSpec(mask_token_id=4, special_ids=SPECIALS, vocab_size=V, mask_prob=0.3)
     return MaskingCollator(spec=spec, pad_id=0, seed=0, nsp=nsp, max_seq_len=64, padding=padding)(
-        samples(lengths, seed=seed, nsp=nsp))
+        samples(lengths, seed=seed, nsp=nsp)
+    )
 
 
 def model(dtype=torch.float32):

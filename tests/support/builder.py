@@ -1,6 +1,7 @@
 """Shared helpers for the shard-builder tests: small corpora, a test tokenizer, MDS read-back, an
 independent reference normalisation, and the module fixtures of the tests that build with Ray
 (import `ray_here` and `corpus` into a test module to use them there)."""
+
 from __future__ import annotations
 
 import json
@@ -37,7 +38,7 @@ def english_docs(n_docs: int, *, seed: int, min_sents: int = 2, max_sents: int =
         lines, i = [], 0
         while i < len(sents):
             k = rng.randint(1, 3)
-            lines.append(" ".join(sents[i:i + k]))
+            lines.append(" ".join(sents[i : i + k]))
             i += k
         docs.append(lines)
     return docs
@@ -54,13 +55,13 @@ def write_bert_text(path: Path, docs: list[list[str]]) -> Path:
 
 
 def write_jsonl(path: Path, docs: list[list[str]], *, field: str = "text") -> Path:
-    path.write_text("".join(json.dumps({field: "\n".join(lines)}, ensure_ascii=False) + "\n"
-                            for lines in docs), encoding="utf-8")
+    path.write_text(
+        "".join(json.dumps({field: "\n".join(lines)}, ensure_ascii=False) + "\n" for lines in docs), encoding="utf-8"
+    )
     return path
 
 
-def train_tokenizer_dir(out: Path, docs: list[list[str]], *, kind: str = "wordpiece",
-                        vocab_size: int = 3000) -> Path:
+def train_tokenizer_dir(out: Path, docs: list[list[str]], *, kind: str = "wordpiece", vocab_size: int = 3000) -> Path:
     """An HF tokenizer folder trained (by the builder's own trainer) on the given documents."""
     from preprocessing.text import clean_text
     from preprocessing.tokenization import save_trained, train_tokenizer
@@ -87,7 +88,7 @@ def part_samples(root: Path) -> dict[str, list[dict]]:
     pos = 0
     for shard in index["shards"]:
         part = shard["raw_data"]["basename"].split("/")[0]
-        out.setdefault(part, []).extend(samples[pos:pos + shard["samples"]])
+        out.setdefault(part, []).extend(samples[pos : pos + shard["samples"]])
         pos += shard["samples"]
     return out
 
@@ -95,8 +96,7 @@ def part_samples(root: Path) -> dict[str, list[dict]]:
 def shard_hashes(root: Path) -> list[tuple[str, str, int]]:
     """(basename, xxh64 of the uncompressed shard, samples) for every shard in the merged index."""
     index = json.loads((root / "index.json").read_text())
-    return [(s["raw_data"]["basename"], s["raw_data"]["hashes"]["xxh64"], s["samples"])
-            for s in index["shards"]]
+    return [(s["raw_data"]["basename"], s["raw_data"]["hashes"]["xxh64"], s["samples"]) for s in index["shards"]]
 
 
 def squash(text: str) -> str:
@@ -164,8 +164,14 @@ def small_corpus(d: Path) -> SimpleNamespace:
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    return SimpleNamespace(dir=d, en=en, zh=zh, tok_dir=tok_dir, hf=AutoTokenizer.from_pretrained(tok_dir),
-                           raw=Tokenizer.from_file(str(tok_dir / "tokenizer.json")))
+    return SimpleNamespace(
+        dir=d,
+        en=en,
+        zh=zh,
+        tok_dir=tok_dir,
+        hf=AutoTokenizer.from_pretrained(tok_dir),
+        raw=Tokenizer.from_file(str(tok_dir / "tokenizer.json")),
+    )
 
 
 def config(corpus, out, **overrides):
@@ -174,7 +180,9 @@ def config(corpus, out, **overrides):
 
     base = dict(output=str(out), format="packed", max_seq_len=32, chunk_mb=0.004, num_workers=2, progress=False)
     if corpus is not None:
-        base.update(inputs=[f"en:{corpus.dir / 'en.txt'}", f"zh:{corpus.dir / 'zh.jsonl'}"], tokenizer=str(corpus.tok_dir))
+        base.update(
+            inputs=[f"en:{corpus.dir / 'en.txt'}", f"zh:{corpus.dir / 'zh.jsonl'}"], tokenizer=str(corpus.tok_dir)
+        )
     base.update(overrides)
     return BuildConfig(**base)
 

@@ -11,6 +11,7 @@ torch.distributed collective, attributed to the code that made it (ours, Hugging
 by the innermost such frame of the stack. Writes {"counts": {who: {what: n}}, "steps": N} per rank;
 with CENSUS_SITES=1 also DeepSpeed's reads by file and line ("sites"), to find them.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,11 +55,22 @@ def _count(what: str, *, device_value: bool) -> None:
 class OnDevice(torch.Tensor):
     """A CPU tensor standing for a device tensor; results of ops on it are OnDevice too."""
 
-    _READS = {torch.Tensor.item: "item", torch.Tensor.tolist: "tolist", torch.Tensor.__bool__: "bool",
-              torch.Tensor.__int__: "int", torch.Tensor.__float__: "float", torch.Tensor.numpy: "numpy",
-              torch.Tensor.__index__: "index", torch.nonzero: "nonzero", torch.Tensor.nonzero: "nonzero",
-              torch.masked_select: "masked_select", torch.Tensor.masked_select: "masked_select",
-              torch.unique: "unique", torch.Tensor.unique: "unique", torch.Tensor.cpu: "cpu"}
+    _READS = {
+        torch.Tensor.item: "item",
+        torch.Tensor.tolist: "tolist",
+        torch.Tensor.__bool__: "bool",
+        torch.Tensor.__int__: "int",
+        torch.Tensor.__float__: "float",
+        torch.Tensor.numpy: "numpy",
+        torch.Tensor.__index__: "index",
+        torch.nonzero: "nonzero",
+        torch.Tensor.nonzero: "nonzero",
+        torch.masked_select: "masked_select",
+        torch.Tensor.masked_select: "masked_select",
+        torch.unique: "unique",
+        torch.Tensor.unique: "unique",
+        torch.Tensor.cpu: "cpu",
+    }
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -88,8 +100,19 @@ def _patch_plain_reads() -> None:
 
 
 def _patch_collectives() -> None:
-    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
-                 "broadcast", "reduce_scatter", "reduce_scatter_tensor", "all_to_all_single", "barrier", "reduce"):
+    for name in (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_single",
+        "all_gather_object",
+        "broadcast",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "all_to_all_single",
+        "barrier",
+        "reduce",
+    ):
         original = getattr(dist, name, None)
         if original is None:
             continue

@@ -1,5 +1,6 @@
 """Reading the trainer's log lines (`[pipeline] DATE TIME LEVEL rN message`) by their stable message
 prefixes, never by whole lines."""
+
 from __future__ import annotations
 
 import re

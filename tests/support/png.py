@@ -1,4 +1,5 @@
 """What the plot tests check of a PNG: a real image with something drawn on it."""
+
 from __future__ import annotations
 
 from pathlib import Path

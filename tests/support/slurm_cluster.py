@@ -10,6 +10,7 @@ say the command to run.
 
     python -m tests.support.slurm_cluster     # start one by hand; prints `export SLURM_CONF=...`, Ctrl-C stops it
 """
+
 from __future__ import annotations
 
 import os
@@ -55,16 +56,24 @@ def ensure_installed() -> None:
     if not missing:
         return
     if not (os.environ.get("TOKENCL_REQUIRE_SLURM") or os.environ.get("TOKENCL_INSTALL_SLURM")):
-        raise SlurmUnavailable(f"Slurm is not installed (missing {', '.join(missing)}); install it with "
-                               f"`apt-get install -y --no-install-recommends {' '.join(PACKAGES)}`, or set "
-                               f"TOKENCL_INSTALL_SLURM=1 to let the tests install it", skippable=True)
+        raise SlurmUnavailable(
+            f"Slurm is not installed (missing {', '.join(missing)}); install it with "
+            f"`apt-get install -y --no-install-recommends {' '.join(PACKAGES)}`, or set "
+            f"TOKENCL_INSTALL_SLURM=1 to let the tests install it",
+            skippable=True,
+        )
     if os.geteuid() != 0:
-        raise SlurmUnavailable(f"Slurm is not installed (missing {', '.join(missing)}) and installing it needs root: "
-                               f"sudo apt-get install -y --no-install-recommends {' '.join(PACKAGES)}",
-                               skippable=True)
+        raise SlurmUnavailable(
+            f"Slurm is not installed (missing {', '.join(missing)}) and installing it needs root: "
+            f"sudo apt-get install -y --no-install-recommends {' '.join(PACKAGES)}",
+            skippable=True,
+        )
     if shutil.which("apt-get") is None:
-        raise SlurmUnavailable(f"Slurm is not installed (missing {', '.join(missing)}) and there is no apt-get to "
-                               f"install {' '.join(PACKAGES)}", skippable=False)
+        raise SlurmUnavailable(
+            f"Slurm is not installed (missing {', '.join(missing)}) and there is no apt-get to "
+            f"install {' '.join(PACKAGES)}",
+            skippable=False,
+        )
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
     print(f"[slurm tests] installing Slurm for the launcher tests: {' '.join(install)}", file=sys.stderr, flush=True)
@@ -73,8 +82,9 @@ def ensure_installed() -> None:
         subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, text=True)
         r = subprocess.run(install, env=env, capture_output=True, text=True)
     if r.returncode != 0 or _missing_binaries():
-        raise SlurmUnavailable(f"`{' '.join(install)}` failed (exit {r.returncode}):\n{r.stderr[-2000:]}",
-                               skippable=False)
+        raise SlurmUnavailable(
+            f"`{' '.join(install)}` failed (exit {r.returncode}):\n{r.stderr[-2000:]}", skippable=False
+        )
 
 
 def free_port() -> int:
@@ -148,7 +158,7 @@ class SlurmCluster:
         return {**os.environ, "SLURM_CONF": str(self.conf)}
 
     # -- start ------------------------------------------------------------------------------------
-    def start(self, *, timeout_s: float = 30.0) -> "SlurmCluster":
+    def start(self, *, timeout_s: float = 30.0) -> SlurmCluster:
         ensure_installed()
         if os.geteuid() != 0:
             raise SlurmUnavailable("starting slurmd needs root (it runs jobs as their users)", skippable=True)
@@ -177,8 +187,17 @@ class SlurmCluster:
         d.mkdir(exist_ok=True)
         shutil.chown(d, "munge", "munge")
         d.chmod(0o755)
-        cmd = ["runuser", "-u", "munge", "--", _sbin("munged"), f"--socket={self.munge_socket}",
-               f"--pid-file={d / 'munged.pid'}", f"--seed-file={d / 'seed'}", f"--log-file={d / 'munged.log'}"]
+        cmd = [
+            "runuser",
+            "-u",
+            "munge",
+            "--",
+            _sbin("munged"),
+            f"--socket={self.munge_socket}",
+            f"--pid-file={d / 'munged.pid'}",
+            f"--seed-file={d / 'seed'}",
+            f"--log-file={d / 'munged.log'}",
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
         if r.returncode != 0:
             raise RuntimeError(f"munged did not start (exit {r.returncode}): {r.stderr.strip()}")
@@ -195,7 +214,8 @@ class SlurmCluster:
         nodes = "\n".join(
             f"NodeName={n} NodeHostname={self.hostname} NodeAddr=127.0.0.1 Port={self.node_ports[n]} "
             f"CPUs={CPUS_PER_NODE} RealMemory={MEMORY_MB_PER_NODE} Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
-            for n in NODES)
+            for n in NODES
+        )
         self.conf.write_text(f"""\
 ClusterName=tokencl
 SlurmctldHost={self.hostname}(127.0.0.1)
@@ -228,7 +248,7 @@ SlurmctldLogFile={r}/log/slurmctld.log
 SlurmdLogFile={r}/log/slurmd-%n.log
 GresTypes=gpu
 {nodes}
-PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
 """)
         (r / "gres.conf").write_text(f"NodeName={','.join(NODES)} Name=gpu File={r}/dev/gpu[0-{GPUS_PER_NODE - 1}]\n")
 
@@ -244,8 +264,11 @@ PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=U
             if len(lines) == len(NODES) and all(s == "idle" for _, s in lines):
                 return
             if not resumed and any(s.startswith(("down", "drain", "inval")) for _, s in lines):
-                subprocess.run(["scontrol", "update", f"NodeName={','.join(NODES)}", "State=RESUME"],
-                               env=self.env, capture_output=True)
+                subprocess.run(
+                    ["scontrol", "update", f"NodeName={','.join(NODES)}", "State=RESUME"],
+                    env=self.env,
+                    capture_output=True,
+                )
                 resumed = True
             time.sleep(0.2)
         raise RuntimeError(f"Slurm nodes not idle after {timeout_s:.0f} s (sinfo: {states!r})\n{self.log_tail()}")
@@ -269,8 +292,12 @@ PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=U
     def stop(self, *, keep_files: bool = False) -> None:
         """Cancel jobs still running, stop slurmd's, slurmctld and munged by their pids."""
         if self.started:
-            subprocess.run(["scancel", "--full", "--quiet", "--user", str(os.geteuid())], env=self.env,
-                           capture_output=True, timeout=30)
+            subprocess.run(
+                ["scancel", "--full", "--quiet", "--user", str(os.geteuid())],
+                env=self.env,
+                capture_output=True,
+                timeout=30,
+            )
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline:
                 r = subprocess.run(["squeue", "-h"], env=self.env, capture_output=True, text=True)
@@ -284,7 +311,7 @@ PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=U
         if not keep_files:
             shutil.rmtree(self.root, ignore_errors=True)
 
-    def __enter__(self) -> "SlurmCluster":
+    def __enter__(self) -> SlurmCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -3,6 +3,7 @@
 Every shard folder comes from preprocessing.builder.build_shards (the builder the product ships),
 all of them in one subprocess sharing one Ray session, once per pytest session.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,8 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 REPO = Path(__file__).resolve().parents[2]
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -30,8 +31,10 @@ _ZH_TIME = ["今天", "昨天", "明天", "周末"]
 
 def _sentence_en(rng: random.Random) -> str:
     # A small grammar: enough structure for a tiny model to overfit within a few dozen steps.
-    return (f"the {rng.choice(_ADJ)} {rng.choice(_NOUNS)} {rng.choice(_VERBS)} the {rng.choice(_NOUNS)} "
-            f"in the {rng.choice(_PLACES)} .")
+    return (
+        f"the {rng.choice(_ADJ)} {rng.choice(_NOUNS)} {rng.choice(_VERBS)} the {rng.choice(_NOUNS)} "
+        f"in the {rng.choice(_PLACES)} ."
+    )
 
 
 def _sentence_zh(rng: random.Random) -> str:
@@ -100,11 +103,27 @@ def build_shard_sets(root: Path) -> dict[str, Path]:
     specs = []
     for name, (lang, fmt, length, docs, tok) in SHARD_SETS.items():
         text = write_text_corpus(root / "corpora" / f"{name}.txt", num_docs=docs, seed=len(name), lang=lang)
-        specs.append({"inputs": [f"{lang}:{text}"], "output": str(root / name),
-                      "tokenizer": str(tok_dir if tok == "tiny" else minilm_dir()), "format": fmt,
-                      "max_seq_len": length, "seed": 0, "num_workers": 1, "overwrite": True, "progress": False})
-    proc = subprocess.run([sys.executable, "-c", _BUILD_SCRIPT, json.dumps(specs)], cwd=REPO, env=launch_env(),
-                          capture_output=True, text=True, timeout=600)
+        specs.append(
+            {
+                "inputs": [f"{lang}:{text}"],
+                "output": str(root / name),
+                "tokenizer": str(tok_dir if tok == "tiny" else minilm_dir()),
+                "format": fmt,
+                "max_seq_len": length,
+                "seed": 0,
+                "num_workers": 1,
+                "overwrite": True,
+                "progress": False,
+            }
+        )
+    proc = subprocess.run(
+        [sys.executable, "-c", _BUILD_SCRIPT, json.dumps(specs)],
+        cwd=REPO,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"the shard builder failed:\n{proc.stderr[-4000:]}")
     return {name: root / name for name in SHARD_SETS}
@@ -128,8 +147,14 @@ def shard_sets(tmp_path_factory) -> dict[str, Path]:
 
 def launch_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.update(
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+    )
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env
@@ -147,25 +172,63 @@ def write_ds_config(path: Path, *, micro: int = 4, accum: int = 1, bf16: bool = 
     return path
 
 
-def train_args(*, ds_config: Path, objective: str, data: Sequence[Path], save_dir: Path, max_steps: int,
-               model_config: str = "tiny", extra: Sequence[str] = ()) -> list[str]:
+def train_args(
+    *,
+    ds_config: Path,
+    objective: str,
+    data: Sequence[Path],
+    save_dir: Path,
+    max_steps: int,
+    model_config: str = "tiny",
+    extra: Sequence[str] = (),
+) -> list[str]:
     args = ["--ds_config", str(ds_config), "--objective", objective]
     for d in data:
         args += ["--data", str(d)]
     if not any(a == "--init_from" for a in extra):
         args += ["--model_config", model_config]
-    return args + ["--max_steps", str(max_steps), "--save_dir", str(save_dir), "--log_every", "1", "--seed", "0",
-                   "--num_workers", "1", "--warmup_steps", "0", *extra]
+    return args + [
+        "--max_steps",
+        str(max_steps),
+        "--save_dir",
+        str(save_dir),
+        "--log_every",
+        "1",
+        "--seed",
+        "0",
+        "--num_workers",
+        "1",
+        "--warmup_steps",
+        "0",
+        *extra,
+    ]
 
 
 def deepspeed_cmd(port: int, args: Sequence[str], *, num_gpus: int = 2) -> list[str]:
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_gpus), "--master_port",
-            str(port), str(REPO / "pipeline" / "train.py"), *args]
+    return [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        str(num_gpus),
+        "--master_port",
+        str(port),
+        str(REPO / "pipeline" / "train.py"),
+        *args,
+    ]
 
 
-def run_deepspeed(port: int, args: Sequence[str], *, timeout: float = 400, num_gpus: int = 2) -> subprocess.CompletedProcess:
-    return subprocess.run(deepspeed_cmd(port, args, num_gpus=num_gpus), cwd=REPO, env=launch_env(),
-                          capture_output=True, text=True, timeout=timeout)
+def run_deepspeed(
+    port: int, args: Sequence[str], *, timeout: float = 400, num_gpus: int = 2
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        deepspeed_cmd(port, args, num_gpus=num_gpus),
+        cwd=REPO,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def read_metrics(save_dir: Path) -> list[dict]:
@@ -207,11 +270,30 @@ def session_run(tmp_path_factory, name: str, make_args, *, timeout: float = 600)
     return root / "run", log.read_text()
 
 
-def tacl_args(shards: dict[str, Path], ds: Path, save_dir: Path, *, max_steps: int = 16, extra: Sequence[str] = ()) -> list[str]:
+def tacl_args(
+    shards: dict[str, Path], ds: Path, save_dir: Path, *, max_steps: int = 16, extra: Sequence[str] = ()
+) -> list[str]:
     """The TaCL job the resume and export tests share (a NaN injected at step 5 exercises the skip)."""
-    return train_args(ds_config=ds, objective="tacl", data=[shards["nsp48"]], save_dir=save_dir, max_steps=max_steps,
-                      extra=["--lr", "5e-3", "--save_every", "8", "--trace_samples", "--whole_word_masking",
-                             "--debug_nan_steps", "5", "--debug_nan_rank", "1", *extra])
+    return train_args(
+        ds_config=ds,
+        objective="tacl",
+        data=[shards["nsp48"]],
+        save_dir=save_dir,
+        max_steps=max_steps,
+        extra=[
+            "--lr",
+            "5e-3",
+            "--save_every",
+            "8",
+            "--trace_samples",
+            "--whole_word_masking",
+            "--debug_nan_steps",
+            "5",
+            "--debug_nan_rank",
+            "1",
+            *extra,
+        ],
+    )
 
 
 def tacl_ds(tmp_path_factory) -> Path:
@@ -223,5 +305,8 @@ def tacl_straight(tmp_path_factory) -> tuple[Path, str]:
     """16 TaCL steps in one go, with an export at the end."""
     shards = shard_sets(tmp_path_factory)
     ds = tacl_ds(tmp_path_factory)
-    return session_run(tmp_path_factory, "tacl_straight",
-                       lambda save: tacl_args(shards, ds, save, extra=["--export_dir", str(save.parent / "export")]))
+    return session_run(
+        tmp_path_factory,
+        "tacl_straight",
+        lambda save: tacl_args(shards, ds, save, extra=["--export_dir", str(save.parent / "export")]),
+    )

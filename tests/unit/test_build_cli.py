@@ -1,12 +1,13 @@
 """Command-line errors: exit code 2 with a message naming the path, flag or value (no Ray needed:
 everything here fails before any work starts)."""
+
 import subprocess
 import sys
 
 import pytest
-from tests.support.builder import REPO
 
 from preprocessing.builder import main
+from tests.support.builder import REPO
 
 
 @pytest.fixture
@@ -16,16 +17,19 @@ def text_file(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--input", "en:{tmp}/missing.txt"], "--input en:{tmp}/missing.txt: no such file or directory"),
-    (["--input", "zh:{tmp}/*.jsonl"], "the glob '{tmp}/*.jsonl' matched no files"),
-    (["--input", "de:{tmp}/a.txt"], "unknown language prefix 'de:'"),
-    (["--input", "{tmp}/a.txt", "--train_tokenizer", "wordpiece"], "give exactly one of --tokenizer"),
-    (["--input", "{tmp}/a.txt", "--max_seq_len", "4"], "--max_seq_len 4: must be between 5"),
-    (["--input", "{tmp}/a.txt", "--num_workers", "0"], "--num_workers 0: must be at least 1"),
-    (["--input", "{tmp}/a.txt", "--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
-    (["--input", "{tmp}/a.txt", "--short_seq_prob", "1.5"], "--short_seq_prob 1.5: must be between 0 and 1"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--input", "en:{tmp}/missing.txt"], "--input en:{tmp}/missing.txt: no such file or directory"),
+        (["--input", "zh:{tmp}/*.jsonl"], "the glob '{tmp}/*.jsonl' matched no files"),
+        (["--input", "de:{tmp}/a.txt"], "unknown language prefix 'de:'"),
+        (["--input", "{tmp}/a.txt", "--train_tokenizer", "wordpiece"], "give exactly one of --tokenizer"),
+        (["--input", "{tmp}/a.txt", "--max_seq_len", "4"], "--max_seq_len 4: must be between 5"),
+        (["--input", "{tmp}/a.txt", "--num_workers", "0"], "--num_workers 0: must be at least 1"),
+        (["--input", "{tmp}/a.txt", "--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
+        (["--input", "{tmp}/a.txt", "--short_seq_prob", "1.5"], "--short_seq_prob 1.5: must be between 0 and 1"),
+    ],
+)
 def test_bad_flags_exit_2_naming_them(tmp_path, text_file, capsys, extra, message):
     args = [a.format(tmp=tmp_path) for a in extra] + ["--output", str(tmp_path / "out")]
     if "--train_tokenizer" in extra:
@@ -45,7 +49,9 @@ def test_malformed_flags_are_argparse_errors(tmp_path, text_file, capsys):
 
 
 def test_unloadable_tokenizer_and_missing_column(tmp_path, text_file, capsys):
-    assert main(["--input", str(text_file), "--output", str(tmp_path / "o"), "--tokenizer", str(tmp_path / "none")]) == 2
+    assert (
+        main(["--input", str(text_file), "--output", str(tmp_path / "o"), "--tokenizer", str(tmp_path / "none")]) == 2
+    )
     assert f"--tokenizer {tmp_path / 'none'}: cannot load a tokenizer" in capsys.readouterr().err
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -58,9 +64,22 @@ def test_unloadable_tokenizer_and_missing_column(tmp_path, text_file, capsys):
 def test_script_entry_point_exits_2(tmp_path):
     """`python preprocessing/build_shards.py` works without the repo root on sys.path."""
     missing = tmp_path / "nothing_here.txt"
-    proc = subprocess.run([sys.executable, str(REPO / "preprocessing" / "build_shards.py"), "--input", f"en:{missing}",
-                           "--output", str(tmp_path / "out"), "--tokenizer", "x"],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "preprocessing" / "build_shards.py"),
+            "--input",
+            f"en:{missing}",
+            "--output",
+            str(tmp_path / "out"),
+            "--tokenizer",
+            "x",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert f"no such file or directory: {missing}" in proc.stderr
 
@@ -68,8 +87,10 @@ def test_script_entry_point_exits_2(tmp_path):
 def test_output_that_is_a_file_or_under_a_file_exits_2(tmp_path, text_file, capsys):
     target = tmp_path / "taken"
     target.write_text("not a folder")
-    for out, message in ((target, f"--output {target}: exists and is not a directory"),
-                         (target / "sub", f"--output {target / 'sub'}: {target} is not a directory")):
+    for out, message in (
+        (target, f"--output {target}: exists and is not a directory"),
+        (target / "sub", f"--output {target / 'sub'}: {target} is not a directory"),
+    ):
         assert main(["--input", str(text_file), "--output", str(out), "--tokenizer", "x"]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
@@ -77,8 +98,21 @@ def test_output_that_is_a_file_or_under_a_file_exits_2(tmp_path, text_file, caps
 
 
 def test_unknown_encoding_exits_2(tmp_path, text_file, capsys):
-    assert main(["--input", str(text_file), "--output", str(tmp_path / "o"), "--tokenizer", "x",
-                 "--encoding", "*.txt=klingon"]) == 2
+    assert (
+        main(
+            [
+                "--input",
+                str(text_file),
+                "--output",
+                str(tmp_path / "o"),
+                "--tokenizer",
+                "x",
+                "--encoding",
+                "*.txt=klingon",
+            ]
+        )
+        == 2
+    )
     assert "--encoding *.txt=klingon: unknown encoding 'klingon'" in capsys.readouterr().err
 
 
@@ -92,10 +126,19 @@ def test_a_locked_output_exits_2_naming_the_holder(tmp_path, text_file, capsys):
     out = tmp_path / "out"
     out.mkdir()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, pathlib; from preprocessing.lock import OutputLock; "
-                               "OutputLock(pathlib.Path(sys.argv[1])).acquire(); print('held', flush=True); "
-                               "sys.stdin.read()", str(out)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+        [
+            sys.executable,
+            "-c",
+            "import sys, pathlib; from preprocessing.lock import OutputLock; "
+            "OutputLock(pathlib.Path(sys.argv[1])).acquire(); print('held', flush=True); "
+            "sys.stdin.read()",
+            str(out),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         assert holder.stdout.readline() == "held\n"
         assert main(["--input", str(text_file), "--output", str(out), "--tokenizer", "x"]) == 2
@@ -136,6 +179,9 @@ def test_a_stale_lock_is_taken_over_and_a_foreign_one_refused(tmp_path, capsys):
     lock.release()
     assert not record.exists()
     record.write_text(json.dumps({"pid": 4242, "host": "node-elsewhere", "started": "today"}))
-    with pytest.raises(UsageError, match=r"left by pid 4242 on host node-elsewhere .* cannot check; if no build "
-                                         r"is running there, delete .*\.build\.lock"):
+    with pytest.raises(
+        UsageError,
+        match=r"left by pid 4242 on host node-elsewhere .* cannot check; if no build "
+        r"is running there, delete .*\.build\.lock",
+    ):
         OutputLock(tmp_path).acquire()

@@ -1,4 +1,5 @@
 """Input specs, formats, byte-range chunking aligned to documents, and bad input in the readers."""
+
 import gzip
 import json
 import os
@@ -83,11 +84,13 @@ def test_formats_are_recognised(tmp_path):
     for name in ("a.txt", "b.jsonl", "c.jsonl.gz", "d.txt.zst", "e.parquet", "wiki_00"):
         (tmp_path / name).write_bytes(b"")
     datasets.Dataset.from_dict({"text": ["a", "b"]}).save_to_disk(str(tmp_path / "hf"))
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]}),
-                          "test": datasets.Dataset.from_dict({"text": ["b"]})}).save_to_disk(str(tmp_path / "hfd"))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict({"text": ["a"]}), "test": datasets.Dataset.from_dict({"text": ["b"]})}
+    ).save_to_disk(str(tmp_path / "hfd"))
     files = resolve_inputs([f"{tmp_path}/*", "zh:" + str(tmp_path / "hf")][:1])
-    kinds = {f.path.split("/")[-1] if f.kind != "arrow" else f.path.split("/")[-2]: (f.kind, f.compression)
-             for f in files}
+    kinds = {
+        f.path.split("/")[-1] if f.kind != "arrow" else f.path.split("/")[-2]: (f.kind, f.compression) for f in files
+    }
     assert kinds["a.txt"] == ("text", None) and kinds["b.jsonl"] == ("jsonl", None)
     assert kinds["c.jsonl.gz"] == ("jsonl", "gz") and kinds["d.txt.zst"] == ("text", "zst")
     assert kinds["e.parquet"] == ("parquet", None) and kinds["wiki_00"] == ("text", None)
@@ -136,8 +139,11 @@ def test_jsonl_chunks_align_to_lines_and_count_bad_lines(tmp_path, chunk_bytes):
     for r in rejects:
         assert r["file"] == str(path)
         by_reason.setdefault(r["reason"], []).append(r["line"])
-    assert by_reason == {"malformed_json": [3, 13, 23, 33], "missing_field": [5, 15, 25, 35],
-                         "bad_field_type": [7, 17, 27, 37]}
+    assert by_reason == {
+        "malformed_json": [3, 13, 23, 33],
+        "missing_field": [5, 15, 25, 35],
+        "bad_field_type": [7, 17, 27, 37],
+    }
 
 
 def test_compressed_files_read_like_plain_ones(tmp_path):
@@ -160,8 +166,7 @@ def test_parquet_and_datasets_folders_are_cut_into_row_ranges(tmp_path):
     import pyarrow.parquet as pq
 
     texts = [f"row {i}\nsecond line of row {i}" if i % 11 else None for i in range(500)]
-    pq.write_table(pa.table({"body": texts, "id": list(range(500))}), tmp_path / "t.parquet",
-                   row_group_size=64)
+    pq.write_table(pa.table({"body": texts, "id": list(range(500))}), tmp_path / "t.parquet", row_group_size=64)
     ds = datasets.Dataset.from_dict({"body": texts})
     ds.save_to_disk(str(tmp_path / "hf"), max_shard_size="4KB")
     for spec in (str(tmp_path / "t.parquet"), str(tmp_path / "hf")):
@@ -187,7 +192,9 @@ def test_non_utf8_bytes_are_replaced_and_counted(tmp_path):
     assert docs == [["fine line", "bad \ufffd\ufffd bytes and a real \ufffd char"], ["next doc \ufffd"]]
     assert counts["non_utf8_replacements"] == 3
     assert [(r["reason"], r["line"], r["replaced"]) for r in rejects] == [
-        ("non_utf8_replaced", 2, 2), ("non_utf8_replaced", 4, 1)]
+        ("non_utf8_replaced", 2, 2),
+        ("non_utf8_replaced", 4, 1),
+    ]
 
 
 def test_a_50mb_line_without_newline_streams_in_bounded_memory(tmp_path):
@@ -224,13 +231,19 @@ def test_broken_symlink_fifo_and_fake_or_truncated_compression_are_named(tmp_pat
         resolve_inputs([f"{tmp_path}/*.txt"])
     (tmp_path / "pipe.txt").unlink()
     (tmp_path / "plain.jsonl.gz").write_bytes(b'{"text": "not compressed"}\n')
-    with pytest.raises(UsageError, match=r"plain.jsonl.gz \(from --input .*\): is named like a gzip file but "
-                                         r"is not gzip"):
+    with pytest.raises(
+        UsageError,
+        match=r"plain.jsonl.gz \(from --input .*\): is named like a gzip file but "
+        r"is not gzip",
+    ):
         resolve_inputs([str(tmp_path / "plain.jsonl.gz")])
     text = messy_bert_text(seed=5).encode()
     (tmp_path / "short.txt.gz").write_bytes(gzip.compress(text)[:-40])  # within the first MB: found at once
-    with pytest.raises(UsageError, match=r"short.txt.gz .*: the compressed stream ends early, so the file is "
-                                         r"truncated"):
+    with pytest.raises(
+        UsageError,
+        match=r"short.txt.gz .*: the compressed stream ends early, so the file is "
+        r"truncated",
+    ):
         resolve_inputs([str(tmp_path / "short.txt.gz")])
 
 
@@ -243,7 +256,7 @@ def test_truncation_past_the_first_mb_is_found_by_the_reader(tmp_path, name):
     rng = random.Random(0)
     text = "".join(f"doc {i} {rng.random()} {rng.random()}\n\n" for i in range(200_000)).encode()
     packed = gzip.compress(text) if name.endswith(".gz") else zstandard.ZstdCompressor().compress(text)
-    (tmp_path / name).write_bytes(packed[:len(packed) * 3 // 4])
+    (tmp_path / name).write_bytes(packed[: len(packed) * 3 // 4])
     files = resolve_inputs([str(tmp_path / name)])  # the first MB decompresses fine
     with pytest.raises(UsageError, match=f"{name} .*: the compressed stream ends early"):
         read_all(files, chunk_bytes=1 << 30)
@@ -288,12 +301,18 @@ ENGLISH = "The river ran past the old stone bridge, and the village slept. " * 4
 
 def test_utf16_and_nul_heavy_files_are_refused_with_the_flag_that_reads_them(tmp_path):
     (tmp_path / "bom.txt").write_bytes(("\n\n".join([ENGLISH, CHINESE])).encode("utf-16"))
-    with pytest.raises(UsageError, match=r"bom.txt: starts with a UTF-16 byte-order mark, so it is not utf-8 "
-                                         r"text; pass --encoding '.*bom.txt=utf-16'"):
+    with pytest.raises(
+        UsageError,
+        match=r"bom.txt: starts with a UTF-16 byte-order mark, so it is not utf-8 "
+        r"text; pass --encoding '.*bom.txt=utf-16'",
+    ):
         resolve_inputs([str(tmp_path / "bom.txt")])
     (tmp_path / "le.jsonl").write_bytes(json.dumps({"text": ENGLISH}).encode("utf-16-le"))
-    with pytest.raises(UsageError, match=r"le.jsonl: [\d,]+ of its first [\d,]+ bytes are NUL.*"
-                                         r"--encoding '.*le.jsonl=utf-16-le'"):
+    with pytest.raises(
+        UsageError,
+        match=r"le.jsonl: [\d,]+ of its first [\d,]+ bytes are NUL.*"
+        r"--encoding '.*le.jsonl=utf-16-le'",
+    ):
         resolve_inputs([str(tmp_path / "le.jsonl")])
 
 
@@ -304,8 +323,11 @@ def test_gbk_text_is_refused_and_read_right_with_encoding(tmp_path):
     text = "".join("\n".join(lines) + "\n\n" for lines in docs)
     path = tmp_path / "court.txt"
     path.write_bytes(text.encode("gbk"))
-    with pytest.raises(UsageError, match=r"court.txt: [\d,]+ of its first [\d,]+ characters are not valid utf-8 .* "
-                                         r"\(it decodes cleanly as gb18030\); pass --encoding '.*court.txt=gb18030'"):
+    with pytest.raises(
+        UsageError,
+        match=r"court.txt: [\d,]+ of its first [\d,]+ characters are not valid utf-8 .* "
+        r"\(it decodes cleanly as gb18030\); pass --encoding '.*court.txt=gb18030'",
+    ):
         resolve_inputs([str(path)])
     files = resolve_inputs([str(path)], encoding_rules=parse_rules(["*.txt=gbk"]))
     assert files[0].encoding == "gbk" and files[0].byte_ranges
@@ -320,8 +342,9 @@ def test_utf16_with_encoding_is_transcoded_as_one_chunk(tmp_path):
     from preprocessing.charsets import parse_rules
 
     docs = [[ENGLISH[:80]], [CHINESE[:50], CHINESE[50:90]]]
-    (tmp_path / "w.jsonl").write_bytes("".join(json.dumps({"text": "\n".join(d)}, ensure_ascii=False) + "\r\n"
-                                               for d in docs).encode("utf-16"))
+    (tmp_path / "w.jsonl").write_bytes(
+        "".join(json.dumps({"text": "\n".join(d)}, ensure_ascii=False) + "\r\n" for d in docs).encode("utf-16")
+    )
     files = resolve_inputs([str(tmp_path / "w.jsonl")], encoding_rules=parse_rules(["utf-16"]))
     assert len(plan_chunks(files, chunk_bytes=10, text_field="text")) == 1
     got, where, counts, _ = read_all(files, chunk_bytes=10)

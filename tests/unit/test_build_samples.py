@@ -1,4 +1,5 @@
 """NSP instances (BERT's algorithm), packed blocks, and the MDS sample encoder (pure functions)."""
+
 import json
 import random
 
@@ -25,7 +26,8 @@ def synthetic_docs(seed, *, num_docs=40, min_sents=1, max_sents=15, max_len=30, 
         word_starts_T=np.array([rng.random() < 0.7 for _ in range(total)], dtype=np.uint8),
         sent_offsets_S1=np.concatenate([[0], np.cumsum(sent_lens)]).astype(np.int64),
         doc_sent_offsets_D1=np.concatenate([[0], np.cumsum(doc_counts)]).astype(np.int64),
-        doc_langs=[langs[i % len(langs)] for i in range(num_docs)])
+        doc_langs=[langs[i % len(langs)] for i in range(num_docs)],
+    )
 
 
 @pytest.mark.parametrize("max_seq_len, max_len", [(16, 4), (16, 30), (64, 30), (128, 30), (128, 300)])
@@ -99,15 +101,18 @@ def test_random_b_never_comes_from_as_own_document():
 def test_nsp_labels_are_half_random_on_long_documents(max_seq_len):
     docs = synthetic_docs(1, num_docs=30, min_sents=100, max_sents=200, max_len=max_seq_len // 6)
     # short_seq_prob 0: a short target makes one-sentence chunks, which BERT always pairs randomly.
-    labels = [i.is_random_next for i in nsp_instances(docs, rng=random.Random(3), max_seq_len=max_seq_len,
-                                                      short_seq_prob=0.0)]
+    labels = [
+        i.is_random_next for i in nsp_instances(docs, rng=random.Random(3), max_seq_len=max_seq_len, short_seq_prob=0.0)
+    ]
     assert len(labels) > 400 and 0.45 < np.mean(labels) < 0.56, (len(labels), np.mean(labels))
 
 
 def test_short_seq_prob_gives_short_targets():
     docs = synthetic_docs(7, num_docs=60, max_sents=30, max_len=8)
-    lengths = lambda p: [i.a[1] - i.a[0] + i.b[1] - i.b[0] for i in  # noqa: E731
-                         nsp_instances(docs, rng=random.Random(1), max_seq_len=128, short_seq_prob=p)]
+    lengths = lambda p: [
+        i.a[1] - i.a[0] + i.b[1] - i.b[0]
+        for i in nsp_instances(docs, rng=random.Random(1), max_seq_len=128, short_seq_prob=p)  # noqa: E731
+    ]
     assert np.mean(lengths(1.0)) < 0.75 * np.mean(lengths(0.0))
 
 
@@ -117,9 +122,17 @@ def test_assemble_nsp_layout():
         ids, types, ws = assemble_nsp(docs, inst, cls_id=CLS, sep_id=SEP, dtype=np.uint16)
         la, lb = inst.a[1] - inst.a[0], inst.b[1] - inst.b[0]
         assert ids.dtype == np.uint16 and len(ids) == la + lb + 3
-        assert ids.tolist() == [CLS, *docs.ids_T[inst.a[0]:inst.a[1]], SEP, *docs.ids_T[inst.b[0]:inst.b[1]], SEP]
+        assert ids.tolist() == [CLS, *docs.ids_T[inst.a[0] : inst.a[1]], SEP, *docs.ids_T[inst.b[0] : inst.b[1]], SEP]
         assert types.tolist() == [0] * (la + 2) + [1] * (lb + 1)
-        expect = [1, 1, *docs.word_starts_T[inst.a[0] + 1:inst.a[1]], 1, 1, *docs.word_starts_T[inst.b[0] + 1:inst.b[1]], 1]
+        expect = [
+            1,
+            1,
+            *docs.word_starts_T[inst.a[0] + 1 : inst.a[1]],
+            1,
+            1,
+            *docs.word_starts_T[inst.b[0] + 1 : inst.b[1]],
+            1,
+        ]
         assert ws.tolist() == expect
 
 
@@ -132,8 +145,8 @@ def test_packed_blocks_are_exact_and_concatenate_to_the_stream(max_seq_len):
         off = docs.doc_token_offsets()
         for d in range(docs.num_docs):
             doc_starts.append(len(stream))
-            stream += docs.ids_T[off[d]:off[d + 1]].tolist() + [SEP]
-            stream_ws += docs.word_starts_T[off[d]:off[d + 1]].tolist() + [1]
+            stream += docs.ids_T[off[d] : off[d + 1]].tolist() + [SEP]
+            stream_ws += docs.word_starts_T[off[d] : off[d + 1]].tolist() + [1]
         ids_NL, ws_NL, block_langs = packer.add(docs)
         assert ids_NL.shape[1] == max_seq_len and ids_NL.dtype == np.uint16
         blocks += ids_NL.tolist()
@@ -144,7 +157,7 @@ def test_packed_blocks_are_exact_and_concatenate_to_the_stream(max_seq_len):
     assert [t for row in blocks for t in row[1:]] == stream[:used]
     for i, row in enumerate(block_ws):
         lo = i * (max_seq_len - 1)
-        assert row[:2] == [1, 1] and row[2:] == stream_ws[lo + 1:lo + max_seq_len - 1]
+        assert row[:2] == [1, 1] and row[2:] == stream_ws[lo + 1 : lo + max_seq_len - 1]
     assert packer.tail() == (len(stream) - used, sum(s >= used for s in doc_starts))
     assert set(langs) <= {"en", "zh"} and "zh" in langs
 
@@ -159,10 +172,12 @@ def test_fast_mds_encoder_matches_streaming(tmp_path):
         fast = make_fast_writer_class()(out=str(tmp_path / f"f{fmt}"), columns=columns)
         stock = MDSWriter(out=str(tmp_path / f"s{fmt}"), columns=columns)
         for n in (1, 5, 255, 256, 65535, 70000):
-            sample = {"input_ids": rng.integers(0, vocab, n).astype(dtype),
-                      "token_type_ids": rng.integers(0, 2, n).astype(np.uint8),
-                      "word_starts": rng.integers(0, 2, n).astype(np.uint8),
-                      "lang": "zh" if n % 2 else "en"}
+            sample = {
+                "input_ids": rng.integers(0, vocab, n).astype(dtype),
+                "token_type_ids": rng.integers(0, 2, n).astype(np.uint8),
+                "word_starts": rng.integers(0, 2, n).astype(np.uint8),
+                "lang": "zh" if n % 2 else "en",
+            }
             if fmt == "nsp":
                 sample["nsp_label"] = int(n % 2)
             assert fast.encode_sample(sample) == stock.encode_sample(sample)
@@ -175,10 +190,12 @@ def _random_samples(rng, *, fmt: str, vocab: int, n: int) -> list[dict]:
     out = []
     for i in range(n):
         length = int(rng.integers(1, 300))
-        sample = {"input_ids": rng.integers(0, vocab, length).astype(dtype),
-                  "token_type_ids": rng.integers(0, 2, length).astype(np.uint8),
-                  "word_starts": rng.integers(0, 2, length).astype(np.uint8),
-                  "lang": "zh" if i % 3 else "en"}
+        sample = {
+            "input_ids": rng.integers(0, vocab, length).astype(dtype),
+            "token_type_ids": rng.integers(0, 2, length).astype(np.uint8),
+            "word_starts": rng.integers(0, 2, length).astype(np.uint8),
+            "lang": "zh" if i % 3 else "en",
+        }
         if fmt == "nsp":
             sample["nsp_label"] = int(i % 2)
         out.append(sample)
@@ -195,25 +212,29 @@ def test_local_writer_writes_streamings_files_byte_for_byte(tmp_path, fmt, vocab
 
     rng = np.random.default_rng(1)
     columns = columns_for(fmt=fmt, vocab_size=vocab)
-    parts = {"part-00000": _random_samples(rng, fmt=fmt, vocab=vocab, n=150),
-             "part-00001": _random_samples(rng, fmt=fmt, vocab=vocab, n=40)}
-    for root, make in (("ours", lambda d: LocalMDSWriter(out=d, columns=columns, size_limit=20_000)),
-                       ("stock", lambda d: MDSWriter(out=d, columns=columns, compression="zstd",
-                                                    hashes=["xxh64"], size_limit=20_000))):
+    parts = {
+        "part-00000": _random_samples(rng, fmt=fmt, vocab=vocab, n=150),
+        "part-00001": _random_samples(rng, fmt=fmt, vocab=vocab, n=40),
+    }
+    for root, make in (
+        ("ours", lambda d: LocalMDSWriter(out=d, columns=columns, size_limit=20_000)),
+        ("stock", lambda d: MDSWriter(out=d, columns=columns, compression="zstd", hashes=["xxh64"], size_limit=20_000)),
+    ):
         for name, samples in parts.items():
             with make(str(tmp_path / root / name)) as writer:
                 for sample in samples:
                     writer.write(sample)
     names = sorted(parts)
     merge_local_indexes(str(tmp_path / "ours"), names)
-    merge_index([str(tmp_path / "stock" / n / "index.json") for n in names], str(tmp_path / "stock"),
-                keep_local=True)
+    merge_index([str(tmp_path / "stock" / n / "index.json") for n in names], str(tmp_path / "stock"), keep_local=True)
     files = sorted(p.relative_to(tmp_path / "stock") for p in (tmp_path / "stock").rglob("*") if p.is_file())
     assert len([f for f in files if f.name.endswith(".zstd")]) > 3  # several shards per part
     assert files == sorted(p.relative_to(tmp_path / "ours") for p in (tmp_path / "ours").rglob("*") if p.is_file())
     for f in files:
         if f.name == "index.json":
-            assert json.loads((tmp_path / "ours" / f).read_text()) == json.loads((tmp_path / "stock" / f).read_text()), f
+            assert json.loads((tmp_path / "ours" / f).read_text()) == json.loads(
+                (tmp_path / "stock" / f).read_text()
+            ), f
         else:
             assert (tmp_path / "ours" / f).read_bytes() == (tmp_path / "stock" / f).read_bytes(), f
     ds = StreamingDataset(local=str(tmp_path / "ours"), batch_size=1, shuffle=False)

@@ -1,4 +1,5 @@
 """Text clean-up, language detection and sentence splitting (pure functions)."""
+
 import pytest
 
 from preprocessing.text import MAX_SENTENCE_CHARS, clean_text, detect_language, split_long, split_sentences
@@ -11,30 +12,46 @@ def test_clean_text_folds_full_width_removes_controls_and_collapses_spaces():
     assert clean_text("already clean text") == "already clean text"
 
 
-@pytest.mark.parametrize("text, lang", [
-    ("The court heard the case on Monday.", "en"),
-    ("本院于2018年6月28日立案后，依法组成合议庭。", "zh"),
-    ("He visited 北京 and 上海 last year, then flew home to London again.", "en"),
-    ("在 Python 中，列表推导式写起来很方便。", "zh"),
-    ("", "en"),
-])
+@pytest.mark.parametrize(
+    "text, lang",
+    [
+        ("The court heard the case on Monday.", "en"),
+        ("本院于2018年6月28日立案后，依法组成合议庭。", "zh"),
+        ("He visited 北京 and 上海 last year, then flew home to London again.", "en"),
+        ("在 Python 中，列表推导式写起来很方便。", "zh"),
+        ("", "en"),
+    ],
+)
 def test_detect_language_by_share_of_ideographs(text, lang):
     assert detect_language(text) == lang
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("Dr. Smith paid $3.50 for it. Then he left! Did he? Yes.",
-     ["Dr. Smith paid $3.50 for it.", "Then he left!", "Did he?", "Yes."]),
-    ("J. K. Rowling moved to the U.S. in 1997. The book sold well.",
-     ["J. K. Rowling moved to the U.S. in 1997.", "The book sold well."]),
-    ('He said "Stop." Then silence... Later it rained.',
-     ['He said "Stop."', "Then silence...", "Later it rained."]),
-    ("Values e.g. 3.14 and i.e. pi are common, cf. Fig. 2 in the appendix. Next one.",
-     ["Values e.g. 3.14 and i.e. pi are common, cf. Fig. 2 in the appendix.", "Next one."]),
-    ("Version 2.0 ships on Jan. 5 with 3.5 GB. it stays lower case here.",
-     ["Version 2.0 ships on Jan. 5 with 3.5 GB. it stays lower case here."]),
-    ("no terminal punctuation at all", ["no terminal punctuation at all"]),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (
+            "Dr. Smith paid $3.50 for it. Then he left! Did he? Yes.",
+            ["Dr. Smith paid $3.50 for it.", "Then he left!", "Did he?", "Yes."],
+        ),
+        (
+            "J. K. Rowling moved to the U.S. in 1997. The book sold well.",
+            ["J. K. Rowling moved to the U.S. in 1997.", "The book sold well."],
+        ),
+        (
+            'He said "Stop." Then silence... Later it rained.',
+            ['He said "Stop."', "Then silence...", "Later it rained."],
+        ),
+        (
+            "Values e.g. 3.14 and i.e. pi are common, cf. Fig. 2 in the appendix. Next one.",
+            ["Values e.g. 3.14 and i.e. pi are common, cf. Fig. 2 in the appendix.", "Next one."],
+        ),
+        (
+            "Version 2.0 ships on Jan. 5 with 3.5 GB. it stays lower case here.",
+            ["Version 2.0 ships on Jan. 5 with 3.5 GB. it stays lower case here."],
+        ),
+        ("no terminal punctuation at all", ["no terminal punctuation at all"]),
+    ],
+)
 def test_english_sentences_survive_abbreviations_and_decimals(text, expected):
     assert split_sentences(text, "en") == expected
 
@@ -42,8 +59,7 @@ def test_english_sentences_survive_abbreviations_and_decimals(text, expected):
 def test_chinese_sentences_keep_closing_quotes_after_nfkc():
     raw = "他说：“你好！”然后走了。真的吗？是的；好吧……结束了。「走吧。」她说"
     got = split_sentences(clean_text(raw), "zh")
-    assert got == ["他说:“你好!”", "然后走了。", "真的吗?", "是的;", "好吧......", "结束了。",
-                   "「走吧。」", "她说"]
+    assert got == ["他说:“你好!”", "然后走了。", "真的吗?", "是的;", "好吧......", "结束了。", "「走吧。」", "她说"]
     assert "".join(got) == clean_text(raw).replace(" ", "")
 
 

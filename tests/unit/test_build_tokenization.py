@@ -1,17 +1,18 @@
 """Trained and loaded tokenizers, the worker-side encoder, and word_starts (English pieces, Chinese
 rjieba words) against straightforward per-token reference implementations."""
+
 from pathlib import Path
 
 import numpy as np
 import pytest
 import rjieba
-from tests.support.builder import chinese_docs, english_docs, reference_zh_starts, squash, train_tokenizer_dir
 from transformers import AutoTokenizer
 
 from preprocessing.errors import UsageError
 from preprocessing.text import clean_text, split_sentences
 from preprocessing.tokenization import SentenceEncoder, copy_tokenizer, describe
 from preprocessing.words import word_starts
+from tests.support.builder import chinese_docs, english_docs, reference_zh_starts, squash, train_tokenizer_dir
 
 CJK = lambda ch: "\u4e00" <= ch <= "\u9fff"  # noqa: E731  (enough for the sample text)
 
@@ -19,8 +20,7 @@ CJK = lambda ch: "\u4e00" <= ch <= "\u9fff"  # noqa: E731  (enough for the sampl
 @pytest.fixture(scope="module", params=["wordpiece", "unigram"])
 def tok_dir(request, tmp_path_factory):
     docs = english_docs(30, seed=1) + chinese_docs()
-    return train_tokenizer_dir(tmp_path_factory.mktemp(request.param), docs, kind=request.param,
-                               vocab_size=2500)
+    return train_tokenizer_dir(tmp_path_factory.mktemp(request.param), docs, kind=request.param, vocab_size=2500)
 
 
 def zh_sentences():
@@ -56,8 +56,14 @@ def test_english_word_starts_follow_wordpiece_continuations(tok_dir):
     sentences = [s for lines in english_docs(10, seed=5) for line in lines for s in split_sentences(line, "en")]
     sentences.append("Unbelievably, counter-intuitive re-entry isn't photosynthesis-like!")
     ids, lengths, encodings = enc.encode(sentences)
-    ws = word_starts(enc, ids_T=ids, lengths_S=lengths, encodings=encodings, sentences=sentences,
-                     zh_S=np.zeros(len(sentences), dtype=bool))
+    ws = word_starts(
+        enc,
+        ids_T=ids,
+        lengths_S=lengths,
+        encodings=encodings,
+        sentences=sentences,
+        zh_S=np.zeros(len(sentences), dtype=bool),
+    )
     expected = []
     for e in enc.tok.encode_batch(sentences, add_special_tokens=False):
         words = e.word_ids  # the pre-tokenizer's words: a new word id starts a word
@@ -71,11 +77,17 @@ def test_chinese_word_starts_agree_with_rjieba(tok_dir):
     # Ideographs outside the vocabulary ([UNK]) and mixed scripts take the fallback path.
     sentences += ["龘龘靐齉是生僻字,iPhone12手机售价3.5%的A股。", "卡拉OK和T恤在2018年很流行。"]
     ids, lengths, encodings = enc.encode(sentences)
-    ws = word_starts(enc, ids_T=ids, lengths_S=lengths, encodings=encodings, sentences=sentences,
-                     zh_S=np.ones(len(sentences), dtype=bool))
+    ws = word_starts(
+        enc,
+        ids_T=ids,
+        lengths_S=lengths,
+        encodings=encodings,
+        sentences=sentences,
+        zh_S=np.ones(len(sentences), dtype=bool),
+    )
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     for i, sentence in enumerate(sentences):
-        got = ws[offsets[i]:offsets[i + 1]].tolist()
+        got = ws[offsets[i] : offsets[i + 1]].tolist()
         assert got == reference_zh_starts(enc.tok, sentence), sentence
     multi_char_words = sum(len(w) > 1 for s in sentences for w in rjieba.cut(s))
     assert multi_char_words > 100 and (ws == 0).sum() > 100  # the test exercises real words

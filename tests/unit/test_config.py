@@ -1,6 +1,7 @@
 """The trainer's configuration: one declaration per knob (the parser is generated from the dataclasses),
 --config files that replay a run with flags on top, strict keys, --print_config, and the resume rule
 (settings that change the math are refused, the others recorded)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,20 @@ from pipeline.training.preflight import check_resume
 from preprocessing.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[2]
-BASE = ["--ds_config", "ds.json", "--objective", "taco", "--data", "shards", "--model_config", "tiny",
-        "--max_steps", "100", "--save_dir", "run"]
+BASE = [
+    "--ds_config",
+    "ds.json",
+    "--objective",
+    "taco",
+    "--data",
+    "shards",
+    "--model_config",
+    "tiny",
+    "--max_steps",
+    "100",
+    "--save_dir",
+    "run",
+]
 
 
 def test_every_knob_is_a_flag_with_its_dataclass_default_and_help():
@@ -35,7 +48,9 @@ def test_every_knob_is_a_flag_with_its_dataclass_default_and_help():
     # The defaults of a parse are the dataclasses' own (no second copy in the parser).
     cfg = C.parse_args(BASE)
     assert cfg.run.save_every == C.RunArgs().save_every and cfg.data.num_workers == C.DataArgs().num_workers
-    assert cfg.objective.taco_detach is True and C.parse_args(BASE + ["--taco_no_detach"]).objective.taco_detach is False
+    assert (
+        cfg.objective.taco_detach is True and C.parse_args(BASE + ["--taco_no_detach"]).objective.taco_detach is False
+    )
 
 
 def test_config_file_replays_a_run_and_flags_override_it(tmp_path):
@@ -55,17 +70,21 @@ def test_config_file_replays_a_run_and_flags_override_it(tmp_path):
 def test_yaml_config(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("objective:\n  objective: mlm\nschedule:\n  max_steps: 7\n  lr: 0.002\nrun:\n  seed: 3\n")
-    cfg = C.parse_args(["--config", str(path), "--ds_config", "d.json", "--data", "s", "--model_config", "tiny",
-                        "--save_dir", "r"])
+    cfg = C.parse_args(
+        ["--config", str(path), "--ds_config", "d.json", "--data", "s", "--model_config", "tiny", "--save_dir", "r"]
+    )
     assert (cfg.objective.objective, cfg.schedule.max_steps, cfg.schedule.lr, cfg.run.seed) == ("mlm", 7, 0.002, 3)
     assert cfg.schedule.warmup_steps == 1  # the paper default, capped at 10% of the run, resolved after the file
 
 
-@pytest.mark.parametrize("content, message", [
-    ({"model": {"hidden_size": 3}}, r"unknown key model\.hidden_size"),
-    ({"training": {}}, r"unknown key 'training'"),
-    ({"run": []}, r"section 'run' must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ({"model": {"hidden_size": 3}}, r"unknown key model\.hidden_size"),
+        ({"training": {}}, r"unknown key 'training'"),
+        ({"run": []}, r"section 'run' must be a mapping"),
+    ],
+)
 def test_unknown_config_keys_are_named(tmp_path, content, message):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(content))
@@ -92,8 +111,13 @@ def test_missing_and_malformed(tmp_path, capsys):
 
 
 def test_print_config_is_replayable(tmp_path):
-    r = subprocess.run([sys.executable, str(REPO / "pipeline" / "train.py"), *BASE, "--print_config"],
-                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "pipeline" / "train.py"), *BASE, "--print_config"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     printed = json.loads(r.stdout)
     assert printed["objective"]["objective"] == "taco" and printed["schedule"]["warmup_steps"] == 10
@@ -103,23 +127,38 @@ def test_print_config_is_replayable(tmp_path):
 
 def test_resume_refuses_math_changes_and_records_the_others(tmp_path):
     saved_cfg = C.parse_args(BASE + ["--lr", "1e-3"])
-    ds = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True}, "steps_per_print": 10,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    ds = {
+        "train_micro_batch_size_per_gpu": 4,
+        "bf16": {"enabled": True},
+        "steps_per_print": 10,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
     ckpt = tmp_path / "step_00000010"
     ckpt.mkdir()
-    (ckpt / "run_config.json").write_text(json.dumps({**saved_cfg.to_dict(), "deepspeed": ds,
-                                                       "engine": {"world_size": 2}}))
-    same = check_resume(C.parse_args(BASE + ["--lr", "1e-3", "--log_every", "1"]), ds={**ds, "steps_per_print": 99},
-                        world_size=2, checkpoint_dir=ckpt)
+    (ckpt / "run_config.json").write_text(
+        json.dumps({**saved_cfg.to_dict(), "deepspeed": ds, "engine": {"world_size": 2}})
+    )
+    same = check_resume(
+        C.parse_args(BASE + ["--lr", "1e-3", "--log_every", "1"]),
+        ds={**ds, "steps_per_print": 99},
+        world_size=2,
+        checkpoint_dir=ckpt,
+    )
     assert same == ["resume: run.log_every 10 -> 1"]
-    for extra, key in ((["--objective", "mlm"], "objective.objective"), (["--seed", "1"], "run.seed"),
-                       (["--taco_num_negatives", "3"], "objective.taco_num_negatives"),
-                       (["--data", "more"], "data.data"), (["--max_steps", "200"], "schedule.max_steps")):
+    for extra, key in (
+        (["--objective", "mlm"], "objective.objective"),
+        (["--seed", "1"], "run.seed"),
+        (["--taco_num_negatives", "3"], "objective.taco_num_negatives"),
+        (["--data", "more"], "data.data"),
+        (["--max_steps", "200"], "schedule.max_steps"),
+    ):
         argv = BASE + ["--lr", "1e-3"] + extra
         with pytest.raises(UsageError, match=rf"{key}: saved .*, now "):
             check_resume(C.parse_args(argv), ds=ds, world_size=2, checkpoint_dir=ckpt)
     longer = C.parse_args(BASE + ["--lr", "1e-3", "--max_steps", "200", "--warmup_steps", "10", "--extend_schedule"])
-    assert check_resume(longer, ds=ds, world_size=2, checkpoint_dir=ckpt) == ["resume: run.extend_schedule False -> True"]
+    assert check_resume(longer, ds=ds, world_size=2, checkpoint_dir=ckpt) == [
+        "resume: run.extend_schedule False -> True"
+    ]
     with pytest.raises(UsageError, match=r"deepspeed.train_micro_batch_size_per_gpu: saved 4, now 8"):
         check_resume(saved_cfg, ds={**ds, "train_micro_batch_size_per_gpu": 8}, world_size=2, checkpoint_dir=ckpt)
     with pytest.raises(UsageError, match=r"trained on 2 rank\(s\), this launch has 4"):
@@ -128,9 +167,18 @@ def test_resume_refuses_math_changes_and_records_the_others(tmp_path):
 
 def test_math_flags_cover_every_section():
     """Every knob says whether it changes the math; the operational ones are the few the resume rule allows."""
-    operational = {f"{s}.{f.name}" for s, cls in C.SECTIONS.items() for f in cli.knob_fields(cls)
-                   if not f.metadata["math"]}
+    operational = {
+        f"{s}.{f.name}" for s, cls in C.SECTIONS.items() for f in cli.knob_fields(cls) if not f.metadata["math"]
+    }
     assert operational >= {"run.save_every", "run.log_every", "run.export_dir", "run.stop_after_step"}
-    assert not operational & {"run.seed", "schedule.max_steps", "schedule.lr", "data.data", "data.data_weights",
-                              "model.model_config", "model.tokenizer", "objective.objective"}
+    assert not operational & {
+        "run.seed",
+        "schedule.max_steps",
+        "schedule.lr",
+        "data.data",
+        "data.data_weights",
+        "model.model_config",
+        "model.tokenizer",
+        "objective.objective",
+    }
     assert all(dataclasses.is_dataclass(cls) for cls in C.SECTIONS.values())

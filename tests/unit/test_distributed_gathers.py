@@ -1,5 +1,6 @@
 """The gathers and reductions of pipeline.distributed: 2 gloo ranks against the single-process
 computation on the concatenated data, and the no-process-group path."""
+
 import datetime
 import os
 
@@ -8,8 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.conftest import free_port
 from pipeline import distributed
+from tests.conftest import free_port
 
 WORLD = 2
 # Rows per rank for the uneven gathers: rank 1 sends nothing in the second case.
@@ -29,16 +30,22 @@ def weights(case: int, rank: int) -> torch.Tensor:
 
 
 def _worker(rank: int, port: int, outdir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )
     out = {"ints": distributed.all_gather_ints([rank, 10 + rank, -rank], group=None)}
     for case, sizes in enumerate(ROW_CASES):
         x = rank_rows(case, rank).requires_grad_(True)
         plain = distributed.all_gather_uneven(x, sizes=sizes)
         gathered = distributed.all_gather_uneven(x, sizes=sizes, autograd=True)
         (weights(case, rank) * gathered).sum().backward()
-        out[f"case{case}"] = dict(plain=plain, plain_requires_grad=plain.requires_grad, gathered=gathered.detach(),
-                                  grad=x.grad)
+        out[f"case{case}"] = dict(
+            plain=plain, plain_requires_grad=plain.requires_grad, gathered=gathered.detach(), grad=x.grad
+        )
     value = torch.tensor([1.0 + rank, 2.0 * rank])
     out["sum"] = distributed.sum_over_ranks(value)
     out["mean"] = distributed.mean_over_ranks(value, group=dist.new_group([0, 1]))

@@ -1,6 +1,7 @@
 """Our encoder against Hugging Face's BertForPreTraining forward on the same weights: the unpadded
 layout (NSP pairs as one token stream) and the packed layout (no mask) give HF's padded logits,
 losses and gradients; the collator's indices agree with its padded view; --compile changes nothing."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,6 +12,7 @@ from pipeline.data.collator import MaskingCollator, grid_inputs
 from pipeline.data.masking import MaskingSpec
 from pipeline.modeling.student import Student
 from tests.support.batches import SPECIALS, V, collate, model, samples
+
 
 def hf_reference(net, batch):
     """HF's own padded forward on the batch's grid view of the masked inputs: masked-row logits
@@ -43,7 +45,8 @@ def test_masking_does_not_depend_on_the_batch():
     alone = collate([9], seed=0)
     spec = MaskingSpec(mask_token_id=4, special_ids=SPECIALS, vocab_size=V, mask_prob=0.3)
     together = MaskingCollator(spec=spec, pad_id=0, seed=0, nsp=True, max_seq_len=64, padding="keep")(
-        samples([9], seed=0) + [dict(samples([20], seed=5)[0], sample_id=7)])
+        samples([9], seed=0) + [dict(samples([20], seed=5)[0], sample_id=7)]
+    )
     assert torch.equal(together["input_ids"][0, :9], alone["input_ids"][0])  # alone: a packed [1, 9] batch
 
 
@@ -65,12 +68,15 @@ def test_unpadded_losses_and_gradients_equal_hf():
     net_a, net_b = model(), model()
     batch = collate([9, 14, 6, 11])
     out = Student(net_a)(batch, with_nsp=True)
-    loss_a = (losses.mlm_loss(out["mlm_logits"], batch["mlm_labels"], compact=True)[0]
-              + losses.nsp_loss(out["nsp_logits"], batch["nsp_labels"])[0])
+    loss_a = (
+        losses.mlm_loss(out["mlm_logits"], batch["mlm_labels"], compact=True)[0]
+        + losses.nsp_loss(out["nsp_logits"], batch["nsp_labels"])[0]
+    )
     loss_a.backward()
     mlm, nsp, _, _ = hf_reference(net_b, batch)
-    loss_b = (torch.nn.functional.cross_entropy(mlm, batch["mlm_labels"])
-              + torch.nn.functional.cross_entropy(nsp, batch["nsp_labels"]))
+    loss_b = torch.nn.functional.cross_entropy(mlm, batch["mlm_labels"]) + torch.nn.functional.cross_entropy(
+        nsp, batch["nsp_labels"]
+    )
     loss_b.backward()
     torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-6)
     for (name, a), b in zip(net_a.named_parameters(), net_b.parameters()):
@@ -107,7 +113,6 @@ def test_chunked_cross_entropy_equals_torch_in_value_and_gradient():
     # bf16 logits: fp32 inside, no [N, V] fp32 tensor kept for backward.
     half = logits.detach().bfloat16().requires_grad_(True)
     t16, _ = mlm.chunked_cross_entropy(half, labels)
-    torch.testing.assert_close(t16.double(), torch.nn.functional.cross_entropy(half.double(), labels, reduction="sum"),
-                               rtol=1e-4, atol=1e-3)
-
-
+    torch.testing.assert_close(
+        t16.double(), torch.nn.functional.cross_entropy(half.double(), labels, reduction="sum"), rtol=1e-4, atol=1e-3
+    )

@@ -1,5 +1,6 @@
 """Downstream evaluation: metrics against hand-computed values, the GLUE TSV and CoNLL readers on files
 with the real layouts, and fine-tuning a tiny model on constructed tasks."""
+
 from __future__ import annotations
 
 import json
@@ -10,10 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.tiny_bert import write_tiny_bert
 from pipeline.evaluation.downstream import scoring as M
 from pipeline.evaluation.downstream.finetuning import FinetuneConfig, evaluate_model
-from pipeline.evaluation.downstream.tasks import GLUE_TASKS, find_tagging_splits, read_conll, read_glue_split, read_glue_task
+from pipeline.evaluation.downstream.tasks import (
+    GLUE_TASKS,
+    find_tagging_splits,
+    read_conll,
+    read_glue_split,
+    read_glue_task,
+)
+from tests.support.tiny_bert import write_tiny_bert
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,7 +43,7 @@ def test_classification_metrics_hand_computed():
 
 def test_correlations_hand_computed():
     # dx = [-1.5, -.5, .5, 1.5], dy = [-3, -1, 0, 4]: cov 11, vx 5, vy 26
-    assert M.pearson([1, 2, 3, 4], [2, 4, 5, 9]) == pytest.approx(11 / 130 ** 0.5)
+    assert M.pearson([1, 2, 3, 4], [2, 4, 5, 9]) == pytest.approx(11 / 130**0.5)
     # Ties share ranks: x ranks [1, 2.5, 2.5, 4], y ranks [1, 3, 2, 4]: cov 4.5, vx 4.5, vy 5.
     assert M.average_ranks([1, 2, 2, 3]) == [1, 2.5, 2.5, 4]
     assert M.spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(4.5 / (4.5 * 5) ** 0.5)
@@ -53,8 +60,15 @@ def test_span_extraction_bio_and_bmes():
     # conlleval: an I without its B opens a span; a type change splits.
     assert M.extract_spans(["I-PER", "I-PER", "O"], scheme="bio") == {("PER", 0, 2)}
     assert M.extract_spans(["B-PER", "I-LOC", "B-PER", "B-PER"], scheme="bio") == {
-        ("PER", 0, 1), ("LOC", 1, 2), ("PER", 2, 3), ("PER", 3, 4)}
-    assert M.extract_spans(["B-NAME", "M-NAME", "E-NAME", "O", "S-ORG"], scheme="bmes") == {("NAME", 0, 3), ("ORG", 4, 5)}
+        ("PER", 0, 1),
+        ("LOC", 1, 2),
+        ("PER", 2, 3),
+        ("PER", 3, 4),
+    }
+    assert M.extract_spans(["B-NAME", "M-NAME", "E-NAME", "O", "S-ORG"], scheme="bmes") == {
+        ("NAME", 0, 3),
+        ("ORG", 4, 5),
+    }
     # Word segmentation: untyped BMES tags, words are the spans.
     assert M.extract_spans(list("BESBME"), scheme="bmes") == {("", 0, 2), ("", 2, 3), ("", 3, 6)}
     # BIOES reads I as M; a dangling E is a span of its own.
@@ -84,47 +98,91 @@ def write(path: Path, lines: list[str], *, bom: bool = False) -> Path:
     return path
 
 
-MNLI_DEV_HEADER = ("index\tpromptID\tpairID\tgenre\tsentence1_binary_parse\tsentence2_binary_parse\tsentence1_parse\t"
-                   "sentence2_parse\tsentence1\tsentence2\tlabel1\tlabel2\tlabel3\tlabel4\tlabel5\tgold_label")
+MNLI_DEV_HEADER = (
+    "index\tpromptID\tpairID\tgenre\tsentence1_binary_parse\tsentence2_binary_parse\tsentence1_parse\t"
+    "sentence2_parse\tsentence1\tsentence2\tlabel1\tlabel2\tlabel3\tlabel4\tlabel5\tgold_label"
+)
 
 
 def test_glue_readers_on_real_layouts(tmp_path):
-    cola = write(tmp_path / "CoLA" / "dev.tsv", [
-        "gj04\t1\t\tOur friends won't buy this analysis, let alone the next one we propose.",
-        "gj04\t0\t*\tOne more pseudo generalization and I'm giving up.",
-        "gj04\t1"])  # too few columns: skipped, counted
+    cola = write(
+        tmp_path / "CoLA" / "dev.tsv",
+        [
+            "gj04\t1\t\tOur friends won't buy this analysis, let alone the next one we propose.",
+            "gj04\t0\t*\tOne more pseudo generalization and I'm giving up.",
+            "gj04\t1",
+        ],
+    )  # too few columns: skipped, counted
     ex = read_glue_split(GLUE_TASKS["cola"], cola)
     assert ex.text_a[1] == "One more pseudo generalization and I'm giving up." and ex.labels == [1, 0]
     assert ex.text_b is None and ex.skipped == {"too_few_columns": 1}
 
-    mrpc = write(tmp_path / "MRPC" / "dev.tsv", [
-        "Quality\t#1 ID\t#2 ID\t#1 String\t#2 String",
-        "1\t1355540\t1355592\tHe said the foodservice pie business doesn 't fit.\t\"The foodservice pie business does not fit",
-        "0\t2029631\t2029565\tMagnarelli said Racicot hated the Iraqi regime .\tHis wife said he was \" 100 percent behind"],
-        bom=True)
+    mrpc = write(
+        tmp_path / "MRPC" / "dev.tsv",
+        [
+            "Quality\t#1 ID\t#2 ID\t#1 String\t#2 String",
+            "1\t1355540\t1355592\tHe said the foodservice pie business doesn 't fit."
+            '\t"The foodservice pie business does not fit',
+            "0\t2029631\t2029565\tMagnarelli said Racicot hated the Iraqi regime ."
+            '\tHis wife said he was " 100 percent behind',
+        ],
+        bom=True,
+    )
     ex = read_glue_split(GLUE_TASKS["mrpc"], mrpc)
-    assert ex.labels == [1, 0] and ex.text_b[0] == "\"The foodservice pie business does not fit"  # quotes kept as text
+    assert ex.labels == [1, 0] and ex.text_b[0] == '"The foodservice pie business does not fit'  # quotes kept as text
 
-    stsb = write(tmp_path / "STS-B" / "dev.tsv", [
-        "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore",
-        "0\tmain-captions\tMSRvid\t2012test\t0000\tnone\tnone\tA man with a hard hat is dancing.\tA man wearing a hard hat is dancing.\t5.000",
-        "1\tmain-captions\tMSRvid\t2012test\t0002\tnone\tnone\tA young child is riding a horse.\tA child is riding a horse.\t4.750"])
+    stsb = write(
+        tmp_path / "STS-B" / "dev.tsv",
+        [
+            "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore",
+            "0\tmain-captions\tMSRvid\t2012test\t0000\tnone\tnone"
+            "\tA man with a hard hat is dancing.\tA man wearing a hard hat is dancing.\t5.000",
+            "1\tmain-captions\tMSRvid\t2012test\t0002\tnone\tnone"
+            "\tA young child is riding a horse.\tA child is riding a horse.\t4.750",
+        ],
+    )
     ex = read_glue_split(GLUE_TASKS["stsb"], stsb)
     assert ex.labels == [5.0, 4.75] and ex.text_a[1] == "A young child is riding a horse."
 
-    qqp = write(tmp_path / "QQP" / "dev.tsv", [
-        "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate",
-        "201359\t303345\t303346\tWhy are African-Americans so beautiful?\tWhy are hispanics so beautiful?\t0",
-        "263843\t69383\t380476\tI want to pursue PhD in Computer Science\tHow can I pursue a PhD\t1",
-        "133273\t213221\t213222\tHow is the life of a math student?"])  # malformed rows exist in QQP
+    qqp = write(
+        tmp_path / "QQP" / "dev.tsv",
+        [
+            "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate",
+            "201359\t303345\t303346\tWhy are African-Americans so beautiful?\tWhy are hispanics so beautiful?\t0",
+            "263843\t69383\t380476\tI want to pursue PhD in Computer Science\tHow can I pursue a PhD\t1",
+            "133273\t213221\t213222\tHow is the life of a math student?",
+        ],
+    )  # malformed rows exist in QQP
     ex = read_glue_split(GLUE_TASKS["qqp"], qqp)
     assert ex.labels == [0, 1] and ex.skipped == {"too_few_columns": 1}
 
-    row = "\t".join(["0", "31193", "31193n", "government", "( ( bp ) )", "( ( bp2 ) )", "(ROOT)", "(ROOT)",
-                     "Conceptually cream skimming has two basic dimensions.", "Product and geography are what make it work.",
-                     "neutral", "entailment", "neutral", "neutral", "neutral", "neutral"])
-    write(tmp_path / "MNLI" / "train.tsv", [MNLI_DEV_HEADER.replace("\tlabel2\tlabel3\tlabel4\tlabel5", ""),
-                                            "\t".join(row.split("\t")[:11] + ["contradiction"])])
+    row = "\t".join(
+        [
+            "0",
+            "31193",
+            "31193n",
+            "government",
+            "( ( bp ) )",
+            "( ( bp2 ) )",
+            "(ROOT)",
+            "(ROOT)",
+            "Conceptually cream skimming has two basic dimensions.",
+            "Product and geography are what make it work.",
+            "neutral",
+            "entailment",
+            "neutral",
+            "neutral",
+            "neutral",
+            "neutral",
+        ]
+    )
+    write(
+        tmp_path / "MNLI" / "train.tsv",
+        [
+            MNLI_DEV_HEADER.replace("\tlabel2\tlabel3\tlabel4\tlabel5", ""),
+            "\t".join(row.split("\t")[:11] + ["contradiction"]),
+        ],
+    )
     no_gold = "\t".join(row.split("\t")[:-1] + ["-"])  # annotators disagreed: no gold label
     write(tmp_path / "MNLI" / "dev_matched.tsv", [MNLI_DEV_HEADER, row, no_gold])
     write(tmp_path / "MNLI" / "dev_mismatched.tsv", [MNLI_DEV_HEADER, row.replace("neutral", "entailment")])
@@ -133,10 +191,12 @@ def test_glue_readers_on_real_layouts(tmp_path):
     assert evals["matched"].labels == [2] and evals["matched"].skipped == {"unknown_label": 1}
     assert evals["mismatched"].labels == [1]
 
-    for name, folder, header, label in (("sst2", "SST-2", "sentence\tlabel", "1"),
-                                        ("qnli", "QNLI", "index\tquestion\tsentence\tlabel", "not_entailment"),
-                                        ("rte", "RTE", "index\tsentence1\tsentence2\tlabel", "entailment"),
-                                        ("wnli", "WNLI", "index\tsentence1\tsentence2\tlabel", "1")):
+    for name, folder, header, label in (
+        ("sst2", "SST-2", "sentence\tlabel", "1"),
+        ("qnli", "QNLI", "index\tquestion\tsentence\tlabel", "not_entailment"),
+        ("rte", "RTE", "index\tsentence1\tsentence2\tlabel", "entailment"),
+        ("wnli", "WNLI", "index\tsentence1\tsentence2\tlabel", "1"),
+    ):
         cols = header.split("\t")
         values = {"index": "0", "label": label}
         f = write(tmp_path / folder / "dev.tsv", [header, "\t".join(values.get(c, f"text {c}") for c in cols)])
@@ -151,8 +211,10 @@ def test_glue_readers_on_real_layouts(tmp_path):
 
 def test_conll_reader_and_split_discovery(tmp_path):
     d = tmp_path / "resume"
-    write(d / "train.char.bmes", ["-DOCSTART- O", "", "高 B-NAME", "勇 E-NAME", "， O", "男 O", "",
-                                  "中 B-CONT", "国 M-CONT", "籍 E-CONT", ""])
+    write(
+        d / "train.char.bmes",
+        ["-DOCSTART- O", "", "高 B-NAME", "勇 E-NAME", "， O", "男 O", "", "中 B-CONT", "国 M-CONT", "籍 E-CONT", ""],
+    )
     write(d / "dev.char.bmes", ["王\tS-NAME", "好\tO"])
     found = find_tagging_splits(d)
     assert sorted(found) == ["dev", "train"]
@@ -221,7 +283,10 @@ def test_finetuning_learns_constructed_tasks(tmp_path, tiny_model):
     sts = tmp_path / "STS-B"
     header = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore"
     for split, n, seed in (("train.tsv", 240, 2), ("dev.tsv", 80, 3)):
-        rows = [f"{i}\tg\tf\ty\t0\tnone\tnone\t{s}\tthe a\t{5.0 * y:.3f}" for i, (s, y) in enumerate(sentiment_rows(n, seed))]
+        rows = [
+            f"{i}\tg\tf\ty\t0\tnone\tnone\t{s}\tthe a\t{5.0 * y:.3f}"
+            for i, (s, y) in enumerate(sentiment_rows(n, seed))
+        ]
         write(sts / split, [header] + rows)
     ner = write_tagging(tmp_path / "toy_ner", scheme="bio")
     cfg = FinetuneConfig(epochs=6, lr=2e-3, batch_size=16, max_seq_len=32, seeds=(1, 2), warmup_ratio=0.1)
@@ -231,27 +296,69 @@ def test_finetuning_learns_constructed_tasks(tmp_path, tiny_model):
     assert res["stsb"]["splits"]["dev"]["pearson"]["mean"] >= 0.9, res["stsb"]["splits"]["dev"]
     f1 = res["ner (toy_ner)"]["splits"]["dev"]["f1"]
     assert min(f1["per_seed"]) >= 0.9, f1
-    assert res["ner (toy_ner)"]["scheme"] == "bio" and res["ner (toy_ner)"]["data"]["dev"]["words_without_prediction"] == 0
+    assert (
+        res["ner (toy_ner)"]["scheme"] == "bio" and res["ner (toy_ner)"]["data"]["dev"]["words_without_prediction"] == 0
+    )
     # Different seeds are different runs; the same seed is the same run.
-    again = evaluate_model(tiny_model, tasks=[("stsb", sts)], cfg=FinetuneConfig(**{**cfg.__dict__, "seeds": (1,)}),
-                           log=lambda s: None)
+    again = evaluate_model(
+        tiny_model, tasks=[("stsb", sts)], cfg=FinetuneConfig(**{**cfg.__dict__, "seeds": (1,)}), log=lambda s: None
+    )
     assert again["stsb"]["splits"]["dev"]["pearson"]["per_seed"][0] == pytest.approx(
-        res["stsb"]["splits"]["dev"]["pearson"]["per_seed"][0], abs=1e-6)
-    assert res["stsb"]["splits"]["dev"]["pearson"]["per_seed"][0] != res["stsb"]["splits"]["dev"]["pearson"]["per_seed"][1]
+        res["stsb"]["splits"]["dev"]["pearson"]["per_seed"][0], abs=1e-6
+    )
+    assert (
+        res["stsb"]["splits"]["dev"]["pearson"]["per_seed"][0] != res["stsb"]["splits"]["dev"]["pearson"]["per_seed"][1]
+    )
 
 
 def test_finetune_cli_word_segmentation_writes_tables(tmp_path, tiny_model):
     cws = write_tagging(tmp_path / "toy_cws", scheme="bmes")
     out = tmp_path / "results"
-    r = subprocess.run([sys.executable, str(REPO / "pipeline" / "finetune.py"), "--model", f"tiny={tiny_model}",
-                        "--task", f"cws:{cws}", "--out", str(out), "--seeds", "3", "--epochs", "6", "--lr", "2e-3",
-                        "--batch_size", "16", "--max_seq_len", "32", "--device", "cpu"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "pipeline" / "finetune.py"),
+            "--model",
+            f"tiny={tiny_model}",
+            "--task",
+            f"cws:{cws}",
+            "--out",
+            str(out),
+            "--seeds",
+            "3",
+            "--epochs",
+            "6",
+            "--lr",
+            "2e-3",
+            "--batch_size",
+            "16",
+            "--max_seq_len",
+            "32",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     res = json.loads((out / "results.json").read_text())["results"]["tiny"]["cws (toy_cws)"]
     assert res["scheme"] == "bmes" and res["splits"]["dev"]["f1"]["mean"] >= 0.9
     md = (out / "results.md").read_text()
     assert "| cws (toy_cws) | dev | f1 | " in md and "| tiny |" in md
-    bad = subprocess.run([sys.executable, str(REPO / "pipeline" / "finetune.py"), "--model", str(tiny_model),
-                          "--task", "squad:/nowhere", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "pipeline" / "finetune.py"),
+            "--model",
+            str(tiny_model),
+            "--task",
+            "squad:/nowhere",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "unknown task 'squad'" in bad.stderr

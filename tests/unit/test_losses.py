@@ -1,15 +1,14 @@
 """Single-process checks of pipeline.losses against loop references, upstream formulas and
 sampling-free identities. The 2-rank checks are in test_losses_distributed.py."""
+
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from pipeline.losses import TACO_POOL_SIZE, gather_bytes_per_call, mlm_loss, nsp_loss, tacl_loss, taco_kernel, taco_loss
 from pipeline.losses import sampling as loss_sampling
-from pipeline.losses import taco_kernel
-from pipeline.losses import TACO_POOL_SIZE, gather_bytes_per_call, mlm_loss, nsp_loss, tacl_loss, taco_loss
-
 
 # ---------------------------------------------------------------------------------------------------
 # Inputs and loop references
@@ -66,8 +65,7 @@ def ref_pool_picks(total, pool_size, seed):
     return picks
 
 
-def ref_taco(hidden, embeddings, attention_BL, *, anchors, masked_BL, window, K, tau, detach, pool_size,
-             seed, dtype):
+def ref_taco(hidden, embeddings, attention_BL, *, anchors, masked_BL, window, K, tau, detach, pool_size, seed, dtype):
     """Loops over anchors in float64, drawing from the same uniform streams as the loss.
     Returns (mean loss, accuracy, anchor count, skipped count)."""
     B, L, _ = hidden.shape
@@ -79,12 +77,16 @@ def ref_taco(hidden, embeddings, attention_BL, *, anchors, masked_BL, window, K,
     pool = [tokens[i] for i in ref_pool_picks(len(tokens), pool_size, seed)]
     # The pool travels in the input dtype.
     pool_vectors = [unit((g[b, l] if not detach else g[b, l].detach()).to(dtype).double()) for b, l in pool]
-    chosen = {"all": real, "masked": real & masked_BL if masked_BL is not None else None,
-              "unmasked": real & ~masked_BL if masked_BL is not None else None}[anchors]
+    chosen = {
+        "all": real,
+        "masked": real & masked_BL if masked_BL is not None else None,
+        "unmasked": real & ~masked_BL if masked_BL is not None else None,
+    }[anchors]
     anchor_list = [(b, l) for b in range(B) for l in range(L) if chosen[b, l] and len(real_positions[b]) >= 2]
     skipped = sum(int(chosen[b].sum()) for b in range(B) if len(real_positions[b]) < 2)
-    u = loss_sampling.anchor_uniforms(seed, start=0, count=len(anchor_list), columns=2 + K,
-                                      device=torch.device("cpu")).tolist()
+    u = loss_sampling.anchor_uniforms(
+        seed, start=0, count=len(anchor_list), columns=2 + K, device=torch.device("cpu")
+    ).tolist()
     losses, correct = [], 0
     for n, (b, l) in enumerate(anchor_list):
         j = min(int(u[n][0] * 2 * half), 2 * half - 1)
@@ -124,14 +126,22 @@ def double_leaves(*tensors):
 def test_tacl_matches_loop_reference(dtype, negatives, num_pool):
     (student, teacher, _), attention_BL, masked_BL = make_batch(1, dtype=dtype)
     student, teacher = leaves(student, teacher)
-    loss, metrics = tacl_loss(student, teacher_BLD=teacher, masked_BL=masked_BL, attention_mask_BL=attention_BL,
-                              temperature=0.05, negatives=negatives, num_pool=num_pool,
-                              generator=torch.Generator().manual_seed(5))
+    loss, metrics = tacl_loss(
+        student,
+        teacher_BLD=teacher,
+        masked_BL=masked_BL,
+        attention_mask_BL=attention_BL,
+        temperature=0.05,
+        negatives=negatives,
+        num_pool=num_pool,
+        generator=torch.Generator().manual_seed(5),
+    )
     loss.backward()
     seed = loss_sampling.draw_seed(torch.Generator().manual_seed(5))
     s64, t64 = double_leaves(student, teacher)
-    ref, acc, count = ref_tacl(s64, t64, masked_BL, attention_BL, tau=0.05, negatives=negatives,
-                               num_pool=num_pool, seed=seed)
+    ref, acc, count = ref_tacl(
+        s64, t64, masked_BL, attention_BL, tau=0.05, negatives=negatives, num_pool=num_pool, seed=seed
+    )
     ref.backward()
     assert loss.dtype == torch.float32
     torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-5)
@@ -166,18 +176,21 @@ def test_tacl_equals_upstream_without_padding_at_tau_001():
     masked_BL = torch.rand(B, L, generator=g) < 0.2
     masked_BL[0, 0] = True
     attention_BL = torch.ones(B, L, dtype=torch.long)
-    loss, _ = tacl_loss(student, teacher_BLD=teacher, masked_BL=masked_BL, attention_mask_BL=attention_BL,
-                        temperature=0.01)
+    loss, _ = tacl_loss(
+        student, teacher_BLD=teacher, masked_BL=masked_BL, attention_mask_BL=attention_BL, temperature=0.01
+    )
     expected = upstream_tacl(student.double(), teacher.double(), masked_BL.double(), 0.01)
     assert 0.1 < expected.item() < 5
     torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-5)
     # Upstream sums over [PAD] too: with padding, ours must differ from it.
-    attention_BL[:, L - 4:] = 0
-    masked_BL[:, L - 4:] = False
-    padded, _ = tacl_loss(student, teacher_BLD=teacher, masked_BL=masked_BL, attention_mask_BL=attention_BL,
-                          temperature=0.01)
-    assert not torch.isclose(padded.double(), upstream_tacl(student.double(), teacher.double(),
-                                                              masked_BL.double(), 0.01), rtol=1e-3)
+    attention_BL[:, L - 4 :] = 0
+    masked_BL[:, L - 4 :] = False
+    padded, _ = tacl_loss(
+        student, teacher_BLD=teacher, masked_BL=masked_BL, attention_mask_BL=attention_BL, temperature=0.01
+    )
+    assert not torch.isclose(
+        padded.double(), upstream_tacl(student.double(), teacher.double(), masked_BL.double(), 0.01), rtol=1e-3
+    )
 
 
 def test_tacl_bf16_inputs_give_fp32_logits():
@@ -196,10 +209,15 @@ def test_losses_ignore_an_autocast_context():
     student = teacher + 0.5 * student
     kw = dict(teacher_BLD=teacher, masked_BL=masked_BL, attention_mask_BL=attention_BL, temperature=0.01)
     taco_kw = dict(embeddings_BLD=teacher, attention_mask_BL=attention_BL, num_negatives=5)
-    expected = (tacl_loss(student, **kw)[0],
-                taco_loss(student, generator=torch.Generator().manual_seed(0), **taco_kw)[0])
+    expected = (
+        tacl_loss(student, **kw)[0],
+        taco_loss(student, generator=torch.Generator().manual_seed(0), **taco_kw)[0],
+    )
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = (tacl_loss(student, **kw)[0], taco_loss(student, generator=torch.Generator().manual_seed(0), **taco_kw)[0])
+        got = (
+            tacl_loss(student, **kw)[0],
+            taco_loss(student, generator=torch.Generator().manual_seed(0), **taco_kw)[0],
+        )
     for g, e in zip(got, expected):
         assert g.dtype == torch.float32
         torch.testing.assert_close(g, e)
@@ -209,9 +227,15 @@ def test_tacl_global_pool_excludes_the_anchors_sequence():
     """If the pool held the anchor's own position, a perfect student (s = t) would see its positive
     twice and the loss would be >= log 2; excluding the own sequence keeps it near 0."""
     (_, teacher, _), attention_BL, masked_BL = make_batch(5, D=64)
-    loss, metrics = tacl_loss(teacher.clone(), teacher_BLD=teacher, masked_BL=masked_BL,
-                              attention_mask_BL=attention_BL, temperature=0.01, negatives="global",
-                              num_pool=10_000)
+    loss, metrics = tacl_loss(
+        teacher.clone(),
+        teacher_BLD=teacher,
+        masked_BL=masked_BL,
+        attention_mask_BL=attention_BL,
+        temperature=0.01,
+        negatives="global",
+        num_pool=10_000,
+    )
     assert loss.item() < 0.05
     assert metrics["acc"].item() == 1.0
 
@@ -234,8 +258,9 @@ def test_tacl_rejects_bad_arguments():
 def test_tacl_without_masked_tokens_is_zero_not_nan():
     (student, teacher, _), attention_BL, masked_BL = make_batch(7)
     student.requires_grad_(True)
-    loss, metrics = tacl_loss(student, teacher_BLD=teacher, masked_BL=torch.zeros_like(masked_BL),
-                              attention_mask_BL=attention_BL)
+    loss, metrics = tacl_loss(
+        student, teacher_BLD=teacher, masked_BL=torch.zeros_like(masked_BL), attention_mask_BL=attention_BL
+    )
     loss.backward()
     assert loss.item() == 0.0 and metrics["num_anchors"].item() == 0
     assert torch.count_nonzero(student.grad) == 0
@@ -261,14 +286,36 @@ def test_tacl_without_masked_tokens_is_zero_not_nan():
 def test_taco_matches_loop_reference(anchors, detach, pool_size, dtype):
     (hidden, embeddings, _), attention_BL, masked_BL = make_batch(11, dtype=dtype)
     hidden, embeddings = leaves(hidden, embeddings)
-    loss, metrics = taco_loss(hidden, embeddings_BLD=embeddings, attention_mask_BL=attention_BL, anchors=anchors,
-                              masked_BL=masked_BL, window=5, num_negatives=6, temperature=0.1, detach=detach,
-                              generator=torch.Generator().manual_seed(9), pool_size=pool_size)
+    loss, metrics = taco_loss(
+        hidden,
+        embeddings_BLD=embeddings,
+        attention_mask_BL=attention_BL,
+        anchors=anchors,
+        masked_BL=masked_BL,
+        window=5,
+        num_negatives=6,
+        temperature=0.1,
+        detach=detach,
+        generator=torch.Generator().manual_seed(9),
+        pool_size=pool_size,
+    )
     loss.backward()
     seed = loss_sampling.draw_seed(torch.Generator().manual_seed(9))
     h64, e64 = double_leaves(hidden, embeddings)
-    ref, acc, count, skipped = ref_taco(h64, e64, attention_BL, anchors=anchors, masked_BL=masked_BL, window=5,
-                                        K=6, tau=0.1, detach=detach, pool_size=pool_size, seed=seed, dtype=dtype)
+    ref, acc, count, skipped = ref_taco(
+        h64,
+        e64,
+        attention_BL,
+        anchors=anchors,
+        masked_BL=masked_BL,
+        window=5,
+        K=6,
+        tau=0.1,
+        detach=detach,
+        pool_size=pool_size,
+        seed=seed,
+        dtype=dtype,
+    )
     ref.backward()
     assert loss.dtype == torch.float32
     torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-5)
@@ -286,8 +333,14 @@ def test_taco_identical_g_gives_log_k_plus_1(pool_size):
     attention_BL = torch.ones(B, L, dtype=torch.long)
     attention_BL[2, 6:] = 0
     hidden = torch.randn(D, generator=torch.Generator().manual_seed(3)).expand(B, L, D).clone()
-    loss, _ = taco_loss(hidden, embeddings_BLD=torch.zeros_like(hidden), attention_mask_BL=attention_BL,
-                              num_negatives=K, pool_size=pool_size, generator=torch.Generator().manual_seed(0))
+    loss, _ = taco_loss(
+        hidden,
+        embeddings_BLD=torch.zeros_like(hidden),
+        attention_mask_BL=attention_BL,
+        num_negatives=K,
+        pool_size=pool_size,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert loss.item() == pytest.approx(math.log(K + 1), rel=1e-5)  # to fp32 rounding
 
 
@@ -303,9 +356,15 @@ def test_taco_orthogonal_sequences_give_log_1_plus_k_exp(tau):
     hidden = embeddings + 3.0 * torch.eye(D)[:B, None, :].expand(B, L, D)
     hidden = hidden * attention_BL[..., None]  # padding rows: g = -embeddings, not orthogonal
     for pool_size in (TACO_POOL_SIZE, 8):
-        loss, metrics = taco_loss(hidden, embeddings_BLD=embeddings, attention_mask_BL=attention_BL,
-                                  num_negatives=K, temperature=tau, pool_size=pool_size,
-                                  generator=torch.Generator().manual_seed(1))
+        loss, metrics = taco_loss(
+            hidden,
+            embeddings_BLD=embeddings,
+            attention_mask_BL=attention_BL,
+            num_negatives=K,
+            temperature=tau,
+            pool_size=pool_size,
+            generator=torch.Generator().manual_seed(1),
+        )
         assert loss.item() == pytest.approx(math.log(1 + K * math.exp(-1 / tau)), rel=1e-5, abs=1e-7)
         assert metrics["acc"].item() == 1.0
 
@@ -339,9 +398,15 @@ def test_taco_draws_are_fresh_each_call_and_reproducible():
 def test_taco_rejects_bad_arguments():
     (hidden, embeddings, _), attention_BL, masked_BL = make_batch(14)
     kw = dict(embeddings_BLD=embeddings, attention_mask_BL=attention_BL)
-    for bad, match in [(dict(window=4), "window"), (dict(window=1), "window"), (dict(anchors="some"), "anchors"),
-                       (dict(anchors="masked"), "masked_BL"), (dict(num_negatives=0), "num_negatives"),
-                       (dict(temperature=0.0), "temperature"), (dict(pool_size=0), "pool_size")]:
+    for bad, match in [
+        (dict(window=4), "window"),
+        (dict(window=1), "window"),
+        (dict(anchors="some"), "anchors"),
+        (dict(anchors="masked"), "masked_BL"),
+        (dict(num_negatives=0), "num_negatives"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(pool_size=0), "pool_size"),
+    ]:
         with pytest.raises(ValueError, match=match):
             taco_loss(hidden, **kw, **bad)
     with pytest.raises(ValueError, match="2 sequences"):
@@ -366,8 +431,9 @@ def test_taco_kernel_gradients_across_chunks(monkeypatch, detach, all_rows):
     negative = torch.randint(0, P, (N, K), generator=g)
 
     def kernel(h, e, p):
-        return taco_kernel.taco_anchor_losses(h, e, p, anchor_N=anchor, positive_N=positive, negative_NK=negative,
-                                              temperature=tau, detach=detach)[0]
+        return taco_kernel.taco_anchor_losses(
+            h, e, p, anchor_N=anchor, positive_N=positive, negative_NK=negative, temperature=tau, detach=detach
+        )[0]
 
     def plain(h, e, p):
         unit = F.normalize(h - e, dim=-1)
@@ -433,14 +499,14 @@ def test_pool_is_stratified_and_balanced_across_64_ranks(pool_size, bound):
     computed = loss_sampling.max_pool_rows_per_rank(tokens_per_rank, world_size=world, pool_size=pool_size)
     assert bound is None or computed == bound
     for seed in range(3):
-        picks = loss_sampling.pool_token_indices(tokens_per_rank * world, pool_size, seed=seed,
-                                                 device=torch.device("cpu"))
+        picks = loss_sampling.pool_token_indices(
+            tokens_per_rank * world, pool_size, seed=seed, device=torch.device("cpu")
+        )
         per_rank = torch.bincount(picks // tokens_per_rank, minlength=world)
         assert per_rank.sum() == pool_size and per_rank.max() <= computed
         assert torch.equal(picks, picks.unique())
     # Small, ragged case: every token is drawn exactly once when the pool is larger than the batch.
-    assert torch.equal(loss_sampling.pool_token_indices(50, 80, seed=1, device=torch.device("cpu")),
-                       torch.arange(50))
+    assert torch.equal(loss_sampling.pool_token_indices(50, 80, seed=1, device=torch.device("cpu")), torch.arange(50))
 
 
 def test_gathered_bytes_stay_under_5_percent_of_bert_base_gradient_allreduce():

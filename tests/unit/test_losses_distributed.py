@@ -9,6 +9,7 @@ Each scenario feeds hidden = x @ W (W shared, like a model's parameters) into a 
 - the teacher never gets a gradient, and the bytes each rank reports are the bytes it received.
 One spawn runs every scenario (process start-up dominates the cost).
 """
+
 import datetime
 import os
 from dataclasses import dataclass, field
@@ -18,9 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.conftest import free_port
-from pipeline.losses import sampling as loss_sampling
 from pipeline.losses import TACO_POOL_SIZE, tacl_loss, taco_loss
+from pipeline.losses import sampling as loss_sampling
+from tests.conftest import free_port
 
 WORLD = 2
 GENERATOR_SEED = 1234
@@ -41,20 +42,32 @@ class Scenario:
 
 SCENARIOS = {
     "tacl_global": Scenario("tacl", (3, 2), dict(negatives="global", num_pool=9, temperature=0.1)),
-    "tacl_global_rank1_unmasked": Scenario("tacl", (2, 2), dict(negatives="global", num_pool=6, temperature=0.1),
-                                           rank1_unmasked=True, explicit_group=True),
+    "tacl_global_rank1_unmasked": Scenario(
+        "tacl", (2, 2), dict(negatives="global", num_pool=6, temperature=0.1), rank1_unmasked=True, explicit_group=True
+    ),
     "tacl_sequence_rank1_unmasked": Scenario("tacl", (2, 3), dict(temperature=0.1), rank1_unmasked=True),
-    "tacl_global_one_sequence_per_rank": Scenario("tacl", (1, 1), dict(negatives="global", num_pool=4,
-                                                                       temperature=0.1)),
-    "taco_detach": Scenario("taco", (3, 2), dict(num_negatives=6, pool_size=11, temperature=0.1),
-                            one_token_sequence=True),
-    "taco_no_detach": Scenario("taco", (3, 2), dict(num_negatives=6, pool_size=11, temperature=0.1, detach=False),
-                               one_token_sequence=True, explicit_group=True),
-    "taco_no_detach_one_sequence_per_rank": Scenario("taco", (1, 1), dict(num_negatives=5, temperature=0.1,
-                                                                          detach=False)),
+    "tacl_global_one_sequence_per_rank": Scenario(
+        "tacl", (1, 1), dict(negatives="global", num_pool=4, temperature=0.1)
+    ),
+    "taco_detach": Scenario(
+        "taco", (3, 2), dict(num_negatives=6, pool_size=11, temperature=0.1), one_token_sequence=True
+    ),
+    "taco_no_detach": Scenario(
+        "taco",
+        (3, 2),
+        dict(num_negatives=6, pool_size=11, temperature=0.1, detach=False),
+        one_token_sequence=True,
+        explicit_group=True,
+    ),
+    "taco_no_detach_one_sequence_per_rank": Scenario(
+        "taco", (1, 1), dict(num_negatives=5, temperature=0.1, detach=False)
+    ),
     "taco_no_detach_masked_rank1_unmasked": Scenario(
-        "taco", (2, 3), dict(anchors="masked", num_negatives=4, pool_size=10, temperature=0.1, detach=False),
-        rank1_unmasked=True),
+        "taco",
+        (2, 3),
+        dict(anchors="masked", num_negatives=4, pool_size=10, temperature=0.1, detach=False),
+        rank1_unmasked=True,
+    ),
     "taco_bf16": Scenario("taco", (2, 2), dict(num_negatives=5, pool_size=9), dtype=torch.bfloat16),
 }
 
@@ -71,7 +84,7 @@ def build(s: Scenario, seed: int) -> dict:
     masked = (torch.rand(B, L, generator=g) < 0.35) & attention.bool()
     masked[0, 2] = True
     if s.rank1_unmasked:
-        masked[s.sizes[0]:] = False
+        masked[s.sizes[0] :] = False
     return dict(
         x=torch.randn(B, L, D, generator=g),
         W=torch.eye(D) + 0.1 * torch.randn(D, D, generator=g),
@@ -90,24 +103,34 @@ def run(s: Scenario, full: dict, rows: slice, group) -> dict:
     generator = torch.Generator().manual_seed(GENERATOR_SEED)
     common = dict(attention_mask_BL=full["attention"][rows], group=group, generator=generator)
     if s.kind == "tacl":
-        loss, metrics = tacl_loss(hidden, teacher_BLD=other, masked_BL=full["masked"][rows], **common,
-                                  **s.loss_kwargs)
+        loss, metrics = tacl_loss(hidden, teacher_BLD=other, masked_BL=full["masked"][rows], **common, **s.loss_kwargs)
     else:
-        loss, metrics = taco_loss(hidden, embeddings_BLD=other, masked_BL=full["masked"][rows], **common,
-                                  **s.loss_kwargs)
+        loss, metrics = taco_loss(
+            hidden, embeddings_BLD=other, masked_BL=full["masked"][rows], **common, **s.loss_kwargs
+        )
     loss.backward()
     grad_W = W.grad.clone()
     if group is not None or dist.is_initialized():
         # What DeepSpeed does with parameter gradients: the mean over data-parallel ranks.
         dist.all_reduce(grad_W, group=group)
         grad_W /= WORLD
-    return dict(loss=loss.detach(), metrics={k: v.item() for k, v in metrics.items()}, grad_x=x.grad,
-                grad_other=other.grad, grad_W=grad_W)
+    return dict(
+        loss=loss.detach(),
+        metrics={k: v.item() for k, v in metrics.items()},
+        grad_x=x.grad,
+        grad_other=other.grad,
+        grad_W=grad_W,
+    )
 
 
 def _worker(rank: int, port: int, outdir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )
     torch.set_num_threads(1)
     pair = dist.new_group([0, 1])
     results = {}
@@ -131,8 +154,7 @@ def expected_bytes(s: Scenario, full: dict, ranks_rows: list) -> int:
     per rank) + the pool all-gather (rows padded to the busiest rank, D values in the input dtype plus
     an int64 sequence id). TaCL without a pool gathers no layout."""
     total = 4 * 8
-    pool_size = (s.loss_kwargs.get("pool_size", TACO_POOL_SIZE) if s.kind == "taco"
-                 else s.loss_kwargs.get("num_pool", 0))
+    pool_size = s.loss_kwargs.get("pool_size", TACO_POOL_SIZE) if s.kind == "taco" else s.loss_kwargs.get("num_pool", 0)
     if pool_size:
         total += WORLD * 4 * 8
         tokens = [int(full["attention"][rows].sum()) for rows in ranks_rows]
@@ -165,8 +187,7 @@ def test_two_ranks_equal_one_process_on_the_concatenated_batch(two_ranks, name):
         if s.kind == "tacl":
             assert result["grad_other"] is None, "the teacher got a gradient"
         else:
-            torch.testing.assert_close(result["grad_other"].float() / WORLD, single["grad_other"][rows].float(),
-                                       **tol)
+            torch.testing.assert_close(result["grad_other"].float() / WORLD, single["grad_other"][rows].float(), **tol)
         assert result["metrics"]["gathered_bytes"] == expected_bytes(s, full, ranks_rows)
     assert single["metrics"]["gathered_bytes"] == 0
     assert single["grad_x"].abs().sum() > 0

@@ -1,6 +1,7 @@
 """The student (masked-only MLM head = HF's full head at those rows; embeddings = hidden_states[0]),
 the TaCL teacher (frozen, eval, no head, engine dtype), --init_from a real checkpoint, the
 vocabulary/length checks, and the FLOPs model against REFERENCE.md's numbers."""
+
 from __future__ import annotations
 
 import json
@@ -10,10 +11,10 @@ import torch
 from transformers import BertConfig, BertForPreTraining, BertModel
 
 from pipeline import losses
-from pipeline.training.metrics import FlopsModel
 from pipeline.modeling.bert_config import PRESETS, bert_config, check_positions, check_vocab, non_embedding_params
 from pipeline.modeling.student import Student, load_pretrained
 from pipeline.modeling.teacher import build_teacher, fingerprint
+from pipeline.training.metrics import FlopsModel
 from tests.support.trainer import minilm_dir
 
 
@@ -100,8 +101,9 @@ def test_teacher_is_a_frozen_copy_of_the_initial_encoder():
     opt.step()
     assert all(p.grad is None for p in teacher.parameters())
     assert fingerprint(teacher) == before
-    assert not torch.equal(student.net.bert.embeddings.word_embeddings.weight.bfloat16(),
-                           teacher.embeddings.word_embeddings.weight)
+    assert not torch.equal(
+        student.net.bert.embeddings.word_embeddings.weight.bfloat16(), teacher.embeddings.word_embeddings.weight
+    )
 
 
 def test_init_from_the_real_minilm_checkpoint_reports_the_heads_it_lacks():
@@ -111,8 +113,9 @@ def test_init_from_the_real_minilm_checkpoint_reports_the_heads_it_lacks():
     assert "cls.predictions.transform" in lines and "cls.seq_relationship" in lines
     assert not any(k.startswith("bert.encoder") or k.startswith("bert.embeddings") for k in report.missing)
     ref = BertModel.from_pretrained(folder)
-    torch.testing.assert_close(net.bert.encoder.layer[3].attention.self.query.weight,
-                               ref.encoder.layer[3].attention.self.query.weight)
+    torch.testing.assert_close(
+        net.bert.encoder.layer[3].attention.self.query.weight, ref.encoder.layer[3].attention.self.query.weight
+    )
     # The decoder is tied to the (pre-trained) word embeddings.
     assert net.cls.predictions.decoder.weight.data_ptr() == net.bert.embeddings.word_embeddings.weight.data_ptr()
     assert net.config._attn_implementation == "sdpa"
@@ -122,8 +125,9 @@ def test_vocabulary_checks():
     check_vocab(model_vocab=3000, tokenizer_size=3000, tokenizer_dir="t", data_vocab=3000, model_source="m")
     check_vocab(model_vocab=30528, tokenizer_size=30522, tokenizer_dir="t", data_vocab=None, model_source="m")
     with pytest.raises(ValueError, match=r"--init_from x has vocab_size 30522 but tokenizer t has 3000 tokens"):
-        check_vocab(model_vocab=30522, tokenizer_size=3000, tokenizer_dir="t", data_vocab=3000,
-                    model_source="--init_from x")
+        check_vocab(
+            model_vocab=30522, tokenizer_size=3000, tokenizer_dir="t", data_vocab=3000, model_source="--init_from x"
+        )
     with pytest.raises(ValueError, match=r"vocab_size 100 but tokenizer t has 120"):
         check_vocab(model_vocab=100, tokenizer_size=120, tokenizer_dir="t", data_vocab=None, model_source="m")
     with pytest.raises(ValueError, match=r"shards were built with a 3000-token vocabulary"):
@@ -141,8 +145,17 @@ def test_config_presets_and_json(tmp_path):
     assert bert_config("base", vocab_size=30522).num_hidden_layers == 12
     assert bert_config("large", vocab_size=30522).hidden_size == 1024
     p = tmp_path / "c.json"
-    p.write_text(json.dumps({"vocab_size": 77, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-                             "intermediate_size": 64}))
+    p.write_text(
+        json.dumps(
+            {
+                "vocab_size": 77,
+                "hidden_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "intermediate_size": 64,
+            }
+        )
+    )
     cfg = bert_config(str(p), vocab_size=999)
     assert cfg.vocab_size == 77 and cfg.hidden_size == 32  # the JSON's own, checked against the tokenizer later
     p.write_text("{not json")

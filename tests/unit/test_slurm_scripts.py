@@ -1,6 +1,7 @@
 """The Slurm launchers without a cluster: syntax, headers against the scripts' own defaults, dry
 runs outside an allocation, and the bash helpers against straightforward Python references
 (host lists, the per-task rank mapping against pipeline.distributed.env_from_slurm)."""
+
 from __future__ import annotations
 
 import json
@@ -30,13 +31,24 @@ def outside_slurm_env(**knobs: str) -> dict[str, str]:
 
 
 def run_script(name: str, **knobs: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SLURM / name)], env=outside_slurm_env(**knobs), cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["bash", str(SLURM / name)],
+        env=outside_slurm_env(**knobs),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def bash(snippet: str, **env: str) -> str:
-    r = subprocess.run(["bash", "-c", f"set -euo pipefail; source {SLURM / 'common.sh'}; {snippet}"],
-                       env=outside_slurm_env(**env), capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        ["bash", "-c", f"set -euo pipefail; source {SLURM / 'common.sh'}; {snippet}"],
+        env=outside_slurm_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 0, r.stderr
     return r.stdout
 
@@ -50,8 +62,7 @@ def test_scripts_parse(script):
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (apt-get install shellcheck)")
 def test_scripts_pass_shellcheck():
     # From the repository root, where the scripts' `source "$REPO/slurm/..."` resolve.
-    r = subprocess.run(["shellcheck", "-x", "-s", "bash", *map(str, SCRIPTS)], capture_output=True, text=True,
-                       cwd=REPO)
+    r = subprocess.run(["shellcheck", "-x", "-s", "bash", *map(str, SCRIPTS)], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stdout
 
 
@@ -95,15 +106,24 @@ def test_taco_dry_run_prints_the_64_rank_command():
     assert "--cpu-bind=cores --gpu-bind=closest" in srun
     assert "WORLD_SIZE=64 LOCAL_WORLD_SIZE=8" in out and "MASTER_ADDR=node001" in out
     assert "global batch 16384 = micro 128 x accumulation 2 x 64 ranks" in out
-    resolved = json.loads(out[out.index("{", out.index("resolved configuration")):out.rindex("}") + 1])
+    resolved = json.loads(out[out.index("{", out.index("resolved configuration")) : out.rindex("}") + 1])
     assert resolved["schedule"] == {"max_steps": 62500, "lr": 0.001, "warmup_steps": 3750}
     assert resolved["run"]["save_every"] == 1000 and resolved["run"]["seed"] == 0  # the trainer's defaults
     assert "node node008: RANK 56..63, LOCAL_RANK 0..7" in out
 
 
 def test_taco_dry_run_follows_the_knobs():
-    r = run_script("taco_64gpu.sh", DRY_RUN="1", NODES="2", GPUS_PER_NODE="4", DATA="a,s3://b/c",
-                   DATA_WEIGHTS="0.3,0.7", MAX_STEPS="10", CPU_MODE="1", EXTRA_ARGS="--lr 3e-4 --log_every 1")
+    r = run_script(
+        "taco_64gpu.sh",
+        DRY_RUN="1",
+        NODES="2",
+        GPUS_PER_NODE="4",
+        DATA="a,s3://b/c",
+        DATA_WEIGHTS="0.3,0.7",
+        MAX_STEPS="10",
+        CPU_MODE="1",
+        EXTRA_ARGS="--lr 3e-4 --log_every 1",
+    )
     assert r.returncode == 0, r.stderr
     (srun,) = [line for line in r.stdout.splitlines() if line.startswith("+ srun")]
     assert "--nodes=2 --ntasks=8 --ntasks-per-node=4" in srun
@@ -112,12 +132,15 @@ def test_taco_dry_run_follows_the_knobs():
     assert "CPU mode" in r.stdout
 
 
-@pytest.mark.parametrize("knob,value,message", [
-    ("MAX_STEPS", "ten", "MAX_STEPS=ten is not a whole number"),
-    ("NODES", "0", "NODES=0 must be >= 1"),
-    ("DIST_TIMEOUT_S", "soon", "DIST_TIMEOUT_S=soon is not a number"),
-    ("SAVE_EVERY", "0", "SAVE_EVERY=0 must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "knob,value,message",
+    [
+        ("MAX_STEPS", "ten", "MAX_STEPS=ten is not a whole number"),
+        ("NODES", "0", "NODES=0 must be >= 1"),
+        ("DIST_TIMEOUT_S", "soon", "DIST_TIMEOUT_S=soon is not a number"),
+        ("SAVE_EVERY", "0", "SAVE_EVERY=0 must be >= 1"),
+    ],
+)
 def test_bad_knobs_exit_2_naming_the_variable(knob, value, message):
     r = run_script("taco_64gpu.sh", DRY_RUN="1", **{knob: value})
     assert r.returncode == 2 and message in r.stderr, r.stderr
@@ -136,8 +159,14 @@ def test_tacl_dry_run_prints_the_paper_setting():
 
 
 def test_build_dry_run_prints_a_worker_start_per_node():
-    r = run_script("build_shards_ray.sh", DRY_RUN="1", NODES="3", INPUTS="en:/d/*.txt zh:/d/z.jsonl",
-                   OUTPUT="/o", CPUS_PER_NODE="16")
+    r = run_script(
+        "build_shards_ray.sh",
+        DRY_RUN="1",
+        NODES="3",
+        INPUTS="en:/d/*.txt zh:/d/z.jsonl",
+        OUTPUT="/o",
+        CPUS_PER_NODE="16",
+    )
     assert r.returncode == 0, r.stderr
     cmds = [line for line in r.stdout.splitlines() if line.startswith("+ ")]
     (head,) = [c for c in cmds if "ray start --head" in c]
@@ -196,22 +225,39 @@ def test_port_from_job_is_stable_and_in_range():
 def test_task_env_maps_slurm_like_the_trainer_does(tmp_path):
     """slurm/task_env.sh and pipeline.distributed.env_from_slurm() read the same Slurm variables the
     same way (the script sets them explicitly; the trainer's mapping is the fallback)."""
-    slurm_vars = dict(SLURM_PROCID="13", SLURM_LOCALID="5", SLURM_NTASKS="16", SLURM_STEP_NUM_TASKS="16",
-                      SLURM_NTASKS_PER_NODE="8", SLURM_STEP_TASKS_PER_NODE="8(x2)", SLURMD_NODENAME="gpu002",
-                      SLURM_JOB_NODELIST="gpu[001-002]", SLURM_JOB_ID="777")
+    slurm_vars = dict(
+        SLURM_PROCID="13",
+        SLURM_LOCALID="5",
+        SLURM_NTASKS="16",
+        SLURM_STEP_NUM_TASKS="16",
+        SLURM_NTASKS_PER_NODE="8",
+        SLURM_STEP_TASKS_PER_NODE="8(x2)",
+        SLURMD_NODENAME="gpu002",
+        SLURM_JOB_NODELIST="gpu[001-002]",
+        SLURM_JOB_ID="777",
+    )
     scratch = tmp_path / "scratch"
-    r = subprocess.run(["bash", str(SLURM / "task_env.sh"), "env"], capture_output=True, text=True,
-                       env=outside_slurm_env(**slurm_vars, MASTER_ADDR="gpu001", MASTER_PORT="20777",
-                                             JOB_SCRATCH=str(scratch)))
+    r = subprocess.run(
+        ["bash", str(SLURM / "task_env.sh"), "env"],
+        capture_output=True,
+        text=True,
+        env=outside_slurm_env(**slurm_vars, MASTER_ADDR="gpu001", MASTER_PORT="20777", JOB_SCRATCH=str(scratch)),
+    )
     assert r.returncode == 0, r.stderr
     got = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line and not line.startswith("["))
     assert "[slurm] node gpu002 task 13: RANK=13 LOCAL_RANK=5 WORLD_SIZE=16 LOCAL_WORLD_SIZE=8" in r.stdout
     assert got["TMPDIR"] == str(scratch) and scratch.is_dir()
 
-    py = ("import os, json; from pipeline.distributed import env_from_slurm; env_from_slurm(); "
-          "print(json.dumps({k: os.environ[k] for k in ('RANK','LOCAL_RANK','WORLD_SIZE','LOCAL_WORLD_SIZE','MASTER_ADDR')}))")
-    env = {k: v for k, v in outside_slurm_env(**slurm_vars).items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    py = (
+        "import os, json; from pipeline.distributed import env_from_slurm; env_from_slurm(); "
+        "keys = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR'); "
+        "print(json.dumps({k: os.environ[k] for k in keys}))"
+    )
+    env = {
+        k: v
+        for k, v in outside_slurm_env(**slurm_vars).items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     r = subprocess.run([sys.executable, "-c", py], capture_output=True, text=True, env=env, cwd=REPO)
     assert r.returncode == 0, r.stderr
     expected = json.loads(r.stdout)
@@ -221,6 +267,7 @@ def test_task_env_maps_slurm_like_the_trainer_does(tmp_path):
 
 
 def test_task_env_refuses_to_run_outside_srun():
-    r = subprocess.run(["bash", str(SLURM / "task_env.sh"), "true"], capture_output=True, text=True,
-                       env=outside_slurm_env())
+    r = subprocess.run(
+        ["bash", str(SLURM / "task_env.sh"), "true"], capture_output=True, text=True, env=outside_slurm_env()
+    )
     assert r.returncode != 0 and "task_env.sh runs under srun" in r.stderr

@@ -7,6 +7,7 @@ head for each task and seed; the seed fixes the head's initialisation, dropout a
 
 Shape legend: B examples per batch, L tokens, C classes (or tags).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,15 @@ from pipeline.cli import knob
 from pipeline.data.masking import IGNORE_INDEX
 from pipeline.data.padding import pad_right
 from pipeline.evaluation.downstream import scoring as M
-from pipeline.evaluation.downstream.tasks import (GLUE_TASKS, TAGGING_TASKS, Examples, GlueTask, TaggedSentences,
-                                                  read_glue_task, read_tagging_task)
+from pipeline.evaluation.downstream.tasks import (
+    GLUE_TASKS,
+    TAGGING_TASKS,
+    Examples,
+    GlueTask,
+    TaggedSentences,
+    read_glue_task,
+    read_tagging_task,
+)
 from pipeline.evaluation.models import resolve_device
 from pipeline.modeling.param_groups import param_groups
 from preprocessing.errors import UsageError
@@ -37,7 +45,7 @@ def _seeds(text: str) -> tuple[int, ...]:
     try:
         seeds = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 1,2,3, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 1,2,3, got {text!r}") from None
     if not seeds:
         raise argparse.ArgumentTypeError("give at least one seed")
     return seeds
@@ -46,6 +54,7 @@ def _seeds(text: str) -> tuple[int, ...]:
 @dataclass
 class FinetuneConfig:
     """Fine-tuning settings shared by every task of one command; one knob per flag of pipeline/finetune.py."""
+
     epochs: float = knob(3.0, "training epochs per task and seed")
     lr: float = knob(2e-5, "peak learning rate (linear warm-up and decay)")
     batch_size: int = knob(32, "training examples per step")
@@ -69,22 +78,23 @@ class FinetuneConfig:
 @dataclass
 class EncodedSplit:
     """Tokenised examples of one split; `gold` keeps what the metric compares against."""
+
     features: list[dict[str, list[int]]]
-    labels: list                          # class index / float per example, or tag ids per token (-100 = none)
-    gold: list                            # labels, or gold tag strings per sentence
+    labels: list  # class index / float per example, or tag ids per token (-100 = none)
+    gold: list  # labels, or gold tag strings per sentence
     word_index: list[list[int]] = field(default_factory=list)  # tagging: token -> word (-1 = not a first subtoken)
     counts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
 class PreparedTask:
-    name: str                             # e.g. "cola", "ner (msra)"
-    kind: str                             # "classification" | "regression" | "tagging"
+    name: str  # e.g. "cola", "ner (msra)"
+    kind: str  # "classification" | "regression" | "tagging"
     num_labels: int
     metrics: tuple[str, ...]
     train: EncodedSplit
     evals: dict[str, EncodedSplit]
-    positive: int = 1                     # F1 class index
+    positive: int = 1  # F1 class index
     tags: list[str] = field(default_factory=list)
     scheme: str = ""
 
@@ -99,15 +109,20 @@ def encode_pairs(ex: Examples, *, tokenizer, max_seq_len: int, limit: Optional[i
     a, b = ex.text_a[:n], (ex.text_b[:n] if ex.text_b is not None else None)
     enc = tokenizer(a, b, truncation=True, max_length=max_seq_len)
     full_len = tokenizer(a, b, truncation=False)["input_ids"]
-    counts = {"examples": n, "truncated": sum(len(x) > max_seq_len for x in full_len),
-              "left_out_by_max_samples": len(ex) - n, **{f"skipped_{k}": v for k, v in ex.skipped.items()}}
+    counts = {
+        "examples": n,
+        "truncated": sum(len(x) > max_seq_len for x in full_len),
+        "left_out_by_max_samples": len(ex) - n,
+        **{f"skipped_{k}": v for k, v in ex.skipped.items()},
+    }
     keys = [k for k in ("input_ids", "token_type_ids", "attention_mask") if k in enc]
     features = [{k: enc[k][i] for k in keys} for i in range(n)]
     return EncodedSplit(features, ex.labels[:n], ex.labels[:n], counts=counts)
 
 
-def encode_tagging(data: TaggedSentences, *, tokenizer, tag_ids: dict[str, int], max_seq_len: int,
-                   limit: Optional[int]) -> EncodedSplit:
+def encode_tagging(
+    data: TaggedSentences, *, tokenizer, tag_ids: dict[str, int], max_seq_len: int, limit: Optional[int]
+) -> EncodedSplit:
     """Tokenise pre-split tokens; the first subtoken of each word carries its tag, other subtokens -100.
 
     Words cut off by max_seq_len, and words the tokenizer turns into nothing (e.g. a lone space
@@ -116,8 +131,14 @@ def encode_tagging(data: TaggedSentences, *, tokenizer, tag_ids: dict[str, int],
     n = _cap(len(data.tokens), limit)
     enc = tokenizer(data.tokens[:n], is_split_into_words=True, truncation=True, max_length=max_seq_len)
     features, labels, word_index = [], [], []
-    counts = {"sentences": n, "words": 0, "words_without_prediction": 0, "sentences_truncated": 0,
-              "tags_unseen_in_train": 0, "left_out_by_max_samples": len(data.tokens) - n}
+    counts = {
+        "sentences": n,
+        "words": 0,
+        "words_without_prediction": 0,
+        "sentences_truncated": 0,
+        "tags_unseen_in_train": 0,
+        "left_out_by_max_samples": len(data.tokens) - n,
+    }
     for i in range(n):
         words = enc.word_ids(i)
         first: list[int] = []
@@ -154,17 +175,30 @@ def prepare_task(name: str, *, folder: Path, tokenizer, cfg: FinetuneConfig) -> 
         train, evals = read_glue_task(task, folder)
         enc = lambda ex, cap: encode_pairs(ex, tokenizer=tokenizer, max_seq_len=cfg.max_seq_len, limit=cap)
         return PreparedTask(
-            name=name, kind="regression" if task.labels is None else "classification",
-            num_labels=1 if task.labels is None else len(task.labels), metrics=task.metrics,
-            train=enc(train, cfg.max_train_samples), evals={k: enc(v, cfg.max_eval_samples) for k, v in evals.items()},
-            positive=task.labels.index(task.positive) if task.labels else 1)
+            name=name,
+            kind="regression" if task.labels is None else "classification",
+            num_labels=1 if task.labels is None else len(task.labels),
+            metrics=task.metrics,
+            train=enc(train, cfg.max_train_samples),
+            evals={k: enc(v, cfg.max_eval_samples) for k, v in evals.items()},
+            positive=task.labels.index(task.positive) if task.labels else 1,
+        )
     if name in TAGGING_TASKS:
         train, evals, tags, scheme = read_tagging_task(folder)
         tag_ids = {t: i for i, t in enumerate(tags)}
-        enc = lambda d, cap: encode_tagging(d, tokenizer=tokenizer, tag_ids=tag_ids, max_seq_len=cfg.max_seq_len, limit=cap)
-        return PreparedTask(name=f"{name} ({folder.name})", kind="tagging", num_labels=len(tags),
-                            metrics=("f1", "precision", "recall"), train=enc(train, cfg.max_train_samples),
-                            evals={k: enc(v, cfg.max_eval_samples) for k, v in evals.items()}, tags=tags, scheme=scheme)
+        enc = lambda d, cap: encode_tagging(
+            d, tokenizer=tokenizer, tag_ids=tag_ids, max_seq_len=cfg.max_seq_len, limit=cap
+        )
+        return PreparedTask(
+            name=f"{name} ({folder.name})",
+            kind="tagging",
+            num_labels=len(tags),
+            metrics=("f1", "precision", "recall"),
+            train=enc(train, cfg.max_train_samples),
+            evals={k: enc(v, cfg.max_eval_samples) for k, v in evals.items()},
+            tags=tags,
+            scheme=scheme,
+        )
     raise UsageError(f"--task {name}: unknown task; choose from {sorted(GLUE_TASKS) + list(TAGGING_TASKS)}")
 
 
@@ -177,8 +211,9 @@ def collate(split: EncodedSplit, *, idx: list[int], pad_id: int, kind: str) -> d
     if kind == "tagging":
         out["labels"] = torch.from_numpy(pad_right([split.labels[i] for i in idx], fill=IGNORE_INDEX))
     else:
-        out["labels"] = torch.tensor([split.labels[i] for i in idx],
-                                     dtype=torch.float32 if kind == "regression" else torch.long)
+        out["labels"] = torch.tensor(
+            [split.labels[i] for i in idx], dtype=torch.float32 if kind == "regression" else torch.long
+        )
     return out
 
 
@@ -193,16 +228,22 @@ def load_model(model_dir: Path, task: PreparedTask):
 
     if task.kind == "tagging":
         return AutoModelForTokenClassification.from_pretrained(
-            model_dir, num_labels=task.num_labels, id2label=dict(enumerate(task.tags)),
-            label2id={t: i for i, t in enumerate(task.tags)})
+            model_dir,
+            num_labels=task.num_labels,
+            id2label=dict(enumerate(task.tags)),
+            label2id={t: i for i, t in enumerate(task.tags)},
+        )
     return AutoModelForSequenceClassification.from_pretrained(
-        model_dir, num_labels=task.num_labels,
-        problem_type="regression" if task.kind == "regression" else "single_label_classification")
+        model_dir,
+        num_labels=task.num_labels,
+        problem_type="regression" if task.kind == "regression" else "single_label_classification",
+    )
 
 
 @torch.no_grad()
-def predict(model, *, split: EncodedSplit, task: PreparedTask, pad_id: int, cfg: FinetuneConfig,
-            device: torch.device) -> list:
+def predict(
+    model, *, split: EncodedSplit, task: PreparedTask, pad_id: int, cfg: FinetuneConfig, device: torch.device
+) -> list:
     """Class index / float per example, or tag strings per sentence (words without a prediction: "O")."""
     model.eval()
     preds: list = []
@@ -231,14 +272,19 @@ def score(task: PreparedTask, *, preds: list, gold: list) -> dict[str, float]:
     """The task's official metrics (fractions, not percentages)."""
     if task.kind == "tagging":
         return M.span_f1(gold, pred=preds, scheme=task.scheme)
-    fns = {"accuracy": lambda: M.accuracy(preds, gold), "f1": lambda: M.f1_binary(preds, gold=gold, positive=task.positive),
-           "mcc": lambda: M.matthews_corrcoef(preds, gold), "pearson": lambda: M.pearson(preds, gold),
-           "spearman": lambda: M.spearman(preds, gold)}
+    fns = {
+        "accuracy": lambda: M.accuracy(preds, gold),
+        "f1": lambda: M.f1_binary(preds, gold=gold, positive=task.positive),
+        "mcc": lambda: M.matthews_corrcoef(preds, gold),
+        "pearson": lambda: M.pearson(preds, gold),
+        "spearman": lambda: M.spearman(preds, gold),
+    }
     return {m: fns[m]() for m in task.metrics}
 
 
-def finetune_once(model_dir: Path, *, task: PreparedTask, tokenizer, cfg: FinetuneConfig, seed: int,
-                  device: torch.device) -> dict[str, dict[str, float]]:
+def finetune_once(
+    model_dir: Path, *, task: PreparedTask, tokenizer, cfg: FinetuneConfig, seed: int, device: torch.device
+) -> dict[str, dict[str, float]]:
     """Fine-tune a fresh copy of the model on task.train with `seed`; metrics per eval split."""
     from transformers import get_linear_schedule_with_warmup
 
@@ -258,7 +304,7 @@ def finetune_once(model_dir: Path, *, task: PreparedTask, tokenizer, cfg: Finetu
         for start in range(0, n, cfg.batch_size):
             if step >= total:
                 break
-            batch = collate(task.train, idx=order[start:start + cfg.batch_size], pad_id=pad_id, kind=task.kind)
+            batch = collate(task.train, idx=order[start : start + cfg.batch_size], pad_id=pad_id, kind=task.kind)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
                 loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
             loss.backward()
@@ -284,8 +330,11 @@ def headline(task: PreparedTask, metrics: dict[str, float]) -> float:
 
 
 def aggregate(values: list[float]) -> dict:
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "per_seed": values}
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "per_seed": values,
+    }
 
 
 def evaluate_model(model_dir: Path, *, tasks: list[tuple[str, Path]], cfg: FinetuneConfig, log=print) -> dict:
@@ -306,25 +355,38 @@ def evaluate_model(model_dir: Path, *, tasks: list[tuple[str, Path]], cfg: Finet
             run = finetune_once(model_dir, task=task, tokenizer=tokenizer, cfg=cfg, seed=seed, device=device)
             for split in task.evals:
                 run[split]["score"] = headline(task, run[split])
-            log(f"[finetune] {model_dir.name} {task.name} seed {seed}: "
-                + ", ".join(f"{s} {run[s]['score']:.4f}" for s in task.evals) + f" ({time.time() - t0:.0f} s)")
+            log(
+                f"[finetune] {model_dir.name} {task.name} seed {seed}: "
+                + ", ".join(f"{s} {run[s]['score']:.4f}" for s in task.evals)
+                + f" ({time.time() - t0:.0f} s)"
+            )
             runs.append(run)
         splits = {}
         for split in task.evals:
             keys = [k for k in runs[0][split] if isinstance(runs[0][split][k], float)]
             splits[split] = {k: aggregate([r[split][k] for r in runs]) for k in keys}
-        results[task.name] = {"folder": str(folder), "kind": task.kind, "metrics": list(task.metrics),
-                              "scheme": task.scheme or None, "seeds": list(cfg.seeds), "splits": splits,
-                              "data": {"train": task.train.counts, **{s: e.counts for s, e in task.evals.items()}}}
+        results[task.name] = {
+            "folder": str(folder),
+            "kind": task.kind,
+            "metrics": list(task.metrics),
+            "scheme": task.scheme or None,
+            "seeds": list(cfg.seeds),
+            "splits": splits,
+            "data": {"train": task.train.counts, **{s: e.counts for s, e in task.evals.items()}},
+        }
     return results
 
 
 def results_markdown(results: dict, *, cfg: FinetuneConfig) -> str:
     """One row per task, split and metric; one column per model; mean ± std over seeds, x100."""
     models = list(results)
-    lines = [f"Fine-tuning results (mean ± std over seeds {list(cfg.seeds)}; ×100). "
-             f"epochs {cfg.epochs}, lr {cfg.lr}, batch {cfg.batch_size}, max_seq_len {cfg.max_seq_len}.", "",
-             "| task | split | metric | " + " | ".join(models) + " |", "|---|---|---|" + "---|" * len(models)]
+    lines = [
+        f"Fine-tuning results (mean ± std over seeds {list(cfg.seeds)}; ×100). "
+        f"epochs {cfg.epochs}, lr {cfg.lr}, batch {cfg.batch_size}, max_seq_len {cfg.max_seq_len}.",
+        "",
+        "| task | split | metric | " + " | ".join(models) + " |",
+        "|---|---|---|" + "---|" * len(models),
+    ]
     rows: dict[tuple[str, str, str], dict[str, str]] = {}
     for model, tasks in results.items():
         for task, r in tasks.items():
@@ -350,12 +412,15 @@ def parse_task(arg: str) -> tuple[str, Path]:
     if not sep or not path:
         raise UsageError(f"--task {arg!r}: expected TASK:FOLDER, e.g. cola:glue_data/CoLA")
     if name not in GLUE_TASKS and name not in TAGGING_TASKS:
-        raise UsageError(f"--task {arg!r}: unknown task {name!r}; choose from {sorted(GLUE_TASKS) + list(TAGGING_TASKS)}")
+        raise UsageError(
+            f"--task {arg!r}: unknown task {name!r}; choose from {sorted(GLUE_TASKS) + list(TAGGING_TASKS)}"
+        )
     return name, Path(path)
 
 
-def run_finetuning(models: list[tuple[str, Path]], *, tasks: list[tuple[str, Path]], cfg: FinetuneConfig,
-                   out: Path) -> dict:
+def run_finetuning(
+    models: list[tuple[str, Path]], *, tasks: list[tuple[str, Path]], cfg: FinetuneConfig, out: Path
+) -> dict:
     """Every model on every task; writes OUT/results.json and OUT/results.md (also printed)."""
     from transformers.utils import logging as hf_logging
 
@@ -363,8 +428,12 @@ def run_finetuning(models: list[tuple[str, Path]], *, tasks: list[tuple[str, Pat
     t0 = time.time()
     results = {label: evaluate_model(path, tasks=tasks, cfg=cfg) for label, path in models}
     out.mkdir(parents=True, exist_ok=True)
-    payload = {"config": config_dict(cfg), "models": {label: str(path) for label, path in models},
-               "results": results, "wall_s": round(time.time() - t0, 1)}
+    payload = {
+        "config": config_dict(cfg),
+        "models": {label: str(path) for label, path in models},
+        "results": results,
+        "wall_s": round(time.time() - t0, 1),
+    }
     (out / "results.json").write_text(json.dumps(payload, indent=1, ensure_ascii=False))
     md = results_markdown(results, cfg=cfg)
     (out / "results.md").write_text(md, encoding="utf-8")

@@ -4,10 +4,11 @@ GLUE: accuracy, binary F1 (MRPC, QQP), Matthews correlation (CoLA), Pearson and 
 (STS-B). Token tasks (Chinese NER, word segmentation): span extraction from BIO or BMES/BIOES tags and
 micro span F1, the conlleval way.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 Span = tuple[str, int, int]  # (type, start, end exclusive)
 
@@ -73,7 +74,7 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
 
 
 def split_tag(tag: str) -> tuple[str, str]:
-    """"B-PER" -> ("B", "PER"); "S" -> ("S", ""); "O" -> ("O", "")."""
+    """ "B-PER" -> ("B", "PER"); "S" -> ("S", ""); "O" -> ("O", "")."""
     if tag == "O":
         return "O", ""
     prefix, _, kind = tag.partition("-")
@@ -81,7 +82,7 @@ def split_tag(tag: str) -> tuple[str, str]:
 
 
 def detect_scheme(tags: Sequence[str]) -> str:
-    """"bmes" when any tag uses M/E/S (BMES, BIOES: I is read as M), else "bio"."""
+    """ "bmes" when any tag uses M/E/S (BMES, BIOES: I is read as M), else "bio"."""
     return "bmes" if any(split_tag(t)[0] in ("M", "E", "S") for t in tags) else "bio"
 
 
@@ -140,8 +141,14 @@ def span_f1(gold: Sequence[Sequence[str]], *, pred: Sequence[Sequence[str]], sch
     precision = n_correct / n_pred if n_pred else 0.0
     recall = n_correct / n_gold if n_gold else 0.0
     f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-    return {"precision": precision, "recall": recall, "f1": f1, "gold_spans": n_gold, "pred_spans": n_pred,
-            "correct_spans": n_correct}
+    return {
+        "precision": precision,
+        "recall": recall,
+        "f1": f1,
+        "gold_spans": n_gold,
+        "pred_spans": n_pred,
+        "correct_spans": n_correct,
+    }
 
 
 def _same_length(a: Sequence, b: Sequence) -> None:

@@ -10,6 +10,7 @@ Tagging (Chinese NER, word segmentation): one token per line, the token in the f
 tag in the last; a blank line ends a sentence; `-DOCSTART-` lines are skipped. Splits are the files of
 the folder whose names contain train, dev/valid/val, and test.
 """
+
 from __future__ import annotations
 
 import csv
@@ -28,30 +29,42 @@ Column = Union[int, str]
 @dataclass(frozen=True)
 class GlueTask:
     """How one GLUE task's files read, and how it is scored."""
+
     name: str
-    folder_hint: str                       # the folder name in the GLUE download
+    folder_hint: str  # the folder name in the GLUE download
     text_a: Column
     text_b: Optional[Column]
     label: Column
-    labels: Optional[tuple[str, ...]]      # None: regression (STS-B)
-    metrics: tuple[str, ...]               # the first one is the task's headline metric
+    labels: Optional[tuple[str, ...]]  # None: regression (STS-B)
+    metrics: tuple[str, ...]  # the first one is the task's headline metric
     eval_files: tuple[tuple[str, str], ...] = (("dev", "dev.tsv"),)
     header: bool = True
-    positive: str = "1"                    # the F1 class
+    positive: str = "1"  # the F1 class
 
 
-GLUE_TASKS: dict[str, GlueTask] = {t.name: t for t in (
-    GlueTask("cola", "CoLA", 3, None, 1, ("0", "1"), ("mcc",), header=False),
-    GlueTask("sst2", "SST-2", "sentence", None, "label", ("0", "1"), ("accuracy",)),
-    GlueTask("mrpc", "MRPC", "#1 String", "#2 String", "Quality", ("0", "1"), ("f1", "accuracy")),
-    GlueTask("stsb", "STS-B", "sentence1", "sentence2", "score", None, ("pearson", "spearman")),
-    GlueTask("qqp", "QQP", "question1", "question2", "is_duplicate", ("0", "1"), ("f1", "accuracy")),
-    GlueTask("mnli", "MNLI", "sentence1", "sentence2", "gold_label", ("contradiction", "entailment", "neutral"),
-             ("accuracy",), eval_files=(("matched", "dev_matched.tsv"), ("mismatched", "dev_mismatched.tsv"))),
-    GlueTask("qnli", "QNLI", "question", "sentence", "label", ("entailment", "not_entailment"), ("accuracy",)),
-    GlueTask("rte", "RTE", "sentence1", "sentence2", "label", ("entailment", "not_entailment"), ("accuracy",)),
-    GlueTask("wnli", "WNLI", "sentence1", "sentence2", "label", ("0", "1"), ("accuracy",)),
-)}
+GLUE_TASKS: dict[str, GlueTask] = {
+    t.name: t
+    for t in (
+        GlueTask("cola", "CoLA", 3, None, 1, ("0", "1"), ("mcc",), header=False),
+        GlueTask("sst2", "SST-2", "sentence", None, "label", ("0", "1"), ("accuracy",)),
+        GlueTask("mrpc", "MRPC", "#1 String", "#2 String", "Quality", ("0", "1"), ("f1", "accuracy")),
+        GlueTask("stsb", "STS-B", "sentence1", "sentence2", "score", None, ("pearson", "spearman")),
+        GlueTask("qqp", "QQP", "question1", "question2", "is_duplicate", ("0", "1"), ("f1", "accuracy")),
+        GlueTask(
+            "mnli",
+            "MNLI",
+            "sentence1",
+            "sentence2",
+            "gold_label",
+            ("contradiction", "entailment", "neutral"),
+            ("accuracy",),
+            eval_files=(("matched", "dev_matched.tsv"), ("mismatched", "dev_mismatched.tsv")),
+        ),
+        GlueTask("qnli", "QNLI", "question", "sentence", "label", ("entailment", "not_entailment"), ("accuracy",)),
+        GlueTask("rte", "RTE", "sentence1", "sentence2", "label", ("entailment", "not_entailment"), ("accuracy",)),
+        GlueTask("wnli", "WNLI", "sentence1", "sentence2", "label", ("0", "1"), ("accuracy",)),
+    )
+}
 
 TAGGING_TASKS = ("ner", "cws")
 
@@ -59,6 +72,7 @@ TAGGING_TASKS = ("ner", "cws")
 @dataclass
 class Examples:
     """One split: texts (and pair texts) with labels (class index, or float for regression)."""
+
     path: Path
     text_a: list[str] = field(default_factory=list)
     text_b: Optional[list[str]] = None
@@ -94,20 +108,20 @@ def read_glue_split(task: GlueTask, path: Path) -> Examples:
             if name is None:
                 continue
             if name not in header:
-                raise UsageError(f"{path}: no column {name!r} in the header {header}; is this the "
-                                 f"{task.folder_hint} file of the GLUE download?")
+                raise UsageError(
+                    f"{path}: no column {name!r} in the header {header}; is this the "
+                    f"{task.folder_hint} file of the GLUE download?"
+                )
             # MNLI's gold_label is the last column; header names are unique, so index() is exact.
             cols[role] = header.index(name)
         rows = rows[1:]
-        first_line = 2
     else:
         cols = {"a": task.text_a, "label": task.label}
-        first_line = 1
         if rows and rows[0] and rows[0][0] == "index":
             raise UsageError(f"{path}: has a header row; CoLA's labelled files have none (is this test.tsv?)")
     ex = Examples(path=path, text_b=[] if task.text_b is not None else None)
     need = max(cols.values()) + 1
-    for lineno, row in enumerate(rows, first_line):
+    for row in rows:
         if len(row) < need:
             ex.skip("too_few_columns")
             continue
@@ -143,6 +157,7 @@ def read_glue_task(task: GlueTask, folder: Path) -> tuple[Examples, dict[str, Ex
 @dataclass
 class TaggedSentences:
     """One split of a tagging task: tokens and tags per sentence."""
+
     path: Path
     tokens: list[list[str]] = field(default_factory=list)
     tags: list[list[str]] = field(default_factory=list)

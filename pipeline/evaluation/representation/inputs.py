@@ -15,12 +15,13 @@ Chinese) turns most of a sentence into [UNK] and makes every similarity meaningl
 
 Shape legend: B sequences, L tokens per sequence.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 
@@ -31,6 +32,7 @@ from preprocessing.errors import UsageError
 @dataclass
 class AnalysisSequence:
     """One model input: token ids, segment ids, and the sentence index of each token (-1 = none)."""
+
     input_ids: list[int]
     token_type_ids: list[int]
     sentence_ids: list[int]
@@ -39,6 +41,7 @@ class AnalysisSequence:
 @dataclass
 class SourceStats:
     """What reading the data kept and left out, reported in metrics.json."""
+
     source: str
     kind: str  # "mds" | "text"
     sequences: int = 0
@@ -61,8 +64,9 @@ def structural_special_ids(tokenizer) -> set[int]:
     return ids
 
 
-def sentence_ids_from_specials(input_ids: Sequence[int], *, special_ids: set[int],
-                               token_type_ids: Sequence[int] | None = None) -> list[int]:
+def sentence_ids_from_specials(
+    input_ids: Sequence[int], *, special_ids: set[int], token_type_ids: Sequence[int] | None = None
+) -> list[int]:
     """Sentence index per token: a sentence is a maximal run of non-special tokens; a special token
     or a change of segment (token type) ends it. Special tokens get -1.
 
@@ -87,9 +91,11 @@ def sentence_ids_from_specials(input_ids: Sequence[int], *, special_ids: set[int
 
 
 def _sequence(input_ids: list[int], *, token_type_ids: list[int], special_ids: set[int]) -> AnalysisSequence:
-    return AnalysisSequence(input_ids, token_type_ids,
-                            sentence_ids_from_specials(input_ids, special_ids=special_ids,
-                                                       token_type_ids=token_type_ids))
+    return AnalysisSequence(
+        input_ids,
+        token_type_ids,
+        sentence_ids_from_specials(input_ids, special_ids=special_ids, token_type_ids=token_type_ids),
+    )
 
 
 def _count(stats: SourceStats, *, seq: AnalysisSequence, unk_id: int | None) -> None:
@@ -104,8 +110,9 @@ def is_mds_dir(path: Path) -> bool:
     return path.is_dir() and (path / "index.json").is_file()
 
 
-def read_mds_sequences(root: Path, *, special_ids: set[int], max_sequences: int,
-                       unk_id: int | None = None) -> tuple[list[AnalysisSequence], SourceStats]:
+def read_mds_sequences(
+    root: Path, *, special_ids: set[int], max_sequences: int, unk_id: int | None = None
+) -> tuple[list[AnalysisSequence], SourceStats]:
     """The first `max_sequences` samples of a local MDS folder (its merged index.json), in order."""
     from streaming import StreamingDataset  # heavy import (torchvision); only when shards are used
 
@@ -115,10 +122,15 @@ def read_mds_sequences(root: Path, *, special_ids: set[int], max_sequences: int,
     for i in range(min(len(ds), max_sequences)):
         sample = ds[i]
         if "input_ids" not in sample or "token_type_ids" not in sample:
-            raise UsageError(f"{root}: sample {i} lacks input_ids/token_type_ids (columns: {sorted(sample)}); "
-                             "build the shards with preprocessing/build_shards.py")
-        seq = _sequence([int(t) for t in sample["input_ids"]],
-                        token_type_ids=[int(t) for t in sample["token_type_ids"]], special_ids=special_ids)
+            raise UsageError(
+                f"{root}: sample {i} lacks input_ids/token_type_ids (columns: {sorted(sample)}); "
+                "build the shards with preprocessing/build_shards.py"
+            )
+        seq = _sequence(
+            [int(t) for t in sample["input_ids"]],
+            token_type_ids=[int(t) for t in sample["token_type_ids"]],
+            special_ids=special_ids,
+        )
         if not any(s >= 0 for s in seq.sentence_ids):
             stats.skip("no_text_tokens")
             continue
@@ -139,7 +151,7 @@ def iter_documents(path: Path) -> Iterator[list[str]]:
                 try:
                     text = json.loads(line)["text"]
                 except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise UsageError(f"{path}:{lineno}: expected a JSON object with a \"text\" field ({e})") from e
+                    raise UsageError(f'{path}:{lineno}: expected a JSON object with a "text" field ({e})') from e
                 lines = [s.strip() for s in text.split("\n") if s.strip()]
                 if lines:
                     yield lines
@@ -156,8 +168,9 @@ def iter_documents(path: Path) -> Iterator[list[str]]:
         yield doc
 
 
-def read_text_sequences(path: Path, *, tokenizer, max_seq_len: int, max_sequences: int,
-                        pack: bool = False) -> tuple[list[AnalysisSequence], SourceStats]:
+def read_text_sequences(
+    path: Path, *, tokenizer, max_seq_len: int, max_sequences: int, pack: bool = False
+) -> tuple[list[AnalysisSequence], SourceStats]:
     """Tokenise a text file into model inputs.
 
     pack=False: each line is one sequence `[CLS] line [SEP]` (sentence = context).
@@ -215,10 +228,12 @@ def read_text_sequences(path: Path, *, tokenizer, max_seq_len: int, max_sequence
 
 def collate(seqs: Sequence[AnalysisSequence], *, pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded batch: input_ids_BL, token_type_ids_BL, attention_mask_BL, sentence_BL (-1 on pads)."""
-    columns = {"input_ids": ([s.input_ids for s in seqs], pad_id),
-               "token_type_ids": ([s.token_type_ids for s in seqs], 0),
-               "attention_mask": ([[1] * len(s.input_ids) for s in seqs], 0),
-               "sentence": ([s.sentence_ids for s in seqs], -1)}
+    columns = {
+        "input_ids": ([s.input_ids for s in seqs], pad_id),
+        "token_type_ids": ([s.token_type_ids for s in seqs], 0),
+        "attention_mask": ([[1] * len(s.input_ids) for s in seqs], 0),
+        "sentence": ([s.sentence_ids for s in seqs], -1),
+    }
     return {k: torch.from_numpy(pad_right(rows, fill=fill)) for k, (rows, fill) in columns.items()}
 
 

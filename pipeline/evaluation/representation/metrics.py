@@ -20,6 +20,7 @@ nearly parallel |s|^2 is close to n^2, and the subtraction would lose digits in 
 Shape legend: B sequences, L tokens per sequence, D hidden size, N tokens (flattened), G groups,
 P sampled pairs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -43,8 +44,9 @@ def group_unit_sums(hidden_ND: torch.Tensor, group_N: torch.Tensor) -> tuple[tor
     distinct non-negative group id, in ascending id order.
     """
     if hidden_ND.dim() != 2 or group_N.shape != hidden_ND.shape[:1]:
-        raise ValueError(f"expected hidden (N, D) and groups (N,), got {tuple(hidden_ND.shape)} and "
-                         f"{tuple(group_N.shape)}")
+        raise ValueError(
+            f"expected hidden (N, D) and groups (N,), got {tuple(hidden_ND.shape)} and {tuple(group_N.shape)}"
+        )
     keep_N = group_N >= 0
     ids_G, inverse_n = torch.unique(group_N[keep_N], return_inverse=True)
     unit_nD = unit_rows(hidden_ND[keep_N])
@@ -101,7 +103,7 @@ def inter_group_similarity(sums_GD: torch.Tensor, counts_G: torch.Tensor) -> tor
     g = mean_GD.shape[0]
     if g < 2:
         return torch.tensor(float("nan"), dtype=_ACC)
-    total = (mean_GD.sum(0) ** 2).sum() - (mean_GD ** 2).sum()
+    total = (mean_GD.sum(0) ** 2).sum() - (mean_GD**2).sum()
     return total / (g * (g - 1))
 
 
@@ -145,7 +147,7 @@ def top_direction_variance_share(x_ND: torch.Tensor) -> float:
         raise ValueError(f"top_direction_variance_share needs at least 2 vectors, got {x_ND.shape[0]}")
     centred_ND = x_ND.to(_ACC) - x_ND.to(_ACC).mean(0, keepdim=True)
     s_K = torch.linalg.svdvals(centred_ND)
-    total = (s_K ** 2).sum()
+    total = (s_K**2).sum()
     return (s_K[0] ** 2 / total).item() if total > 0 else float("nan")
 
 
@@ -161,6 +163,7 @@ class SimilarityStats:
 
     Sentences and sequences each weigh the same; see `intra_sentence_similarity`, `context_similarity`.
     """
+
     sentence_sim_sum: float = 0.0
     num_sentences: int = 0
     context_sim_sum: float = 0.0
@@ -187,8 +190,10 @@ class SimilarityStats:
         self.num_tokens += int(counts_G.sum())
         mean_GD = sums_GD / counts_G[:, None].to(_ACC)
         batch_sum_D = mean_GD.sum(0).cpu()
-        self.context_mean_sum_D = batch_sum_D if self.context_mean_sum_D is None else self.context_mean_sum_D + batch_sum_D
-        self.context_mean_sq_sum += (mean_GD ** 2).sum().item()
+        self.context_mean_sum_D = (
+            batch_sum_D if self.context_mean_sum_D is None else self.context_mean_sum_D + batch_sum_D
+        )
+        self.context_mean_sq_sum += (mean_GD**2).sum().item()
         self.num_nonempty_contexts += mean_GD.shape[0]
 
     def result(self) -> dict[str, float]:
@@ -197,7 +202,7 @@ class SimilarityStats:
         g = self.num_nonempty_contexts
         inter = nan
         if g >= 2:
-            inter = ((self.context_mean_sum_D ** 2).sum().item() - self.context_mean_sq_sum) / (g * (g - 1))
+            inter = ((self.context_mean_sum_D**2).sum().item() - self.context_mean_sq_sum) / (g * (g - 1))
         intra_ctx = self.context_sim_sum / self.num_contexts if self.num_contexts else nan
         return {
             "intra_sentence": self.sentence_sim_sum / self.num_sentences if self.num_sentences else nan,

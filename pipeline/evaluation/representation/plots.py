@@ -3,10 +3,11 @@
 Each function takes plain numbers (from `pipeline/analysis_run.py`'s metrics) and a path, writes one
 PNG and returns the path. Shape legend: L tokens of the heatmap sentence.
 """
+
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import matplotlib
 
@@ -80,8 +81,9 @@ def plot_layerwise(curves: Mapping[str, Sequence[Mapping[str, float]]], *, path:
     return _save(fig, path)
 
 
-def plot_heatmaps(panels: Sequence[tuple[str, Sequence[str], np.ndarray]], *, path: Path,
-                  layer_name: str = "last layer") -> Path:
+def plot_heatmaps(
+    panels: Sequence[tuple[str, Sequence[str], np.ndarray]], *, path: Path, layer_name: str = "last layer"
+) -> Path:
     """Token-by-token cosine heatmap of one sentence, one panel per model.
 
     panels: (model label, tokens_L, sim_LL) per model; the colour scale is shared so panels compare.

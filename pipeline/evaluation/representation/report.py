@@ -4,15 +4,17 @@ The metrics themselves are in `metrics.py`, the inputs in `inputs.py`, the figur
 (all in pipeline/evaluation/representation/); this module loads models, runs them without gradients, and puts the
 numbers together. Shape legend: B sequences, L tokens, D hidden size, N tokens.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -20,8 +22,16 @@ from pipeline.cli import knob
 from pipeline.evaluation.models import parse_model, resolve_device, unique_labels
 from pipeline.evaluation.representation import metrics as analysis
 from pipeline.evaluation.representation import plots
-from pipeline.evaluation.representation.inputs import (AnalysisSequence, SourceStats, collate, first_sentence_text, is_mds_dir,
-                                    read_mds_sequences, read_text_sequences, structural_special_ids)
+from pipeline.evaluation.representation.inputs import (
+    AnalysisSequence,
+    SourceStats,
+    collate,
+    first_sentence_text,
+    is_mds_dir,
+    read_mds_sequences,
+    read_text_sequences,
+    structural_special_ids,
+)
 from preprocessing.errors import UsageError
 
 
@@ -32,20 +42,32 @@ def _model_arg(text: str) -> tuple[str, Path]:
 @dataclass
 class AnalyzeConfig:
     """Everything `pipeline/analyze.py` takes; one knob per flag."""
-    models: list[tuple[str, Path]] = knob(help="HF model folder (trainer export or any BERT folder); repeat to "
-                                               "compare models", flag="--model", repeat=True, parse=_model_arg,
-                                          metavar="[LABEL=]DIR", default_factory=list)
-    data: Optional[Path] = knob(None, "MDS shard folder (with index.json and tokenizer/) or a .txt/.jsonl text file",
-                                parse=Path, required=True)
+
+    models: list[tuple[str, Path]] = knob(
+        help="HF model folder (trainer export or any BERT folder); repeat to compare models",
+        flag="--model",
+        repeat=True,
+        parse=_model_arg,
+        metavar="[LABEL=]DIR",
+        default_factory=list,
+    )
+    data: Optional[Path] = knob(
+        None, "MDS shard folder (with index.json and tokenizer/) or a .txt/.jsonl text file", parse=Path, required=True
+    )
     out: Optional[Path] = knob(None, "report folder", parse=Path, required=True)
     run: Optional[Path] = knob(None, "a trainer save_dir: plot the intra/inter gap over its checkpoints", parse=Path)
-    run_start: Optional[Path] = knob(None, "the HF folder the run started from (--init_from), plotted as step 0 "
-                                           "(default: RUN/config.json's init_from when it still exists)", parse=Path)
+    run_start: Optional[Path] = knob(
+        None,
+        "the HF folder the run started from (--init_from), plotted as step 0 "
+        "(default: RUN/config.json's init_from when it still exists)",
+        parse=Path,
+    )
     tokenizer: Optional[Path] = knob(None, "tokenizer folder for model folders that have none", parse=Path)
     max_sequences: int = knob(512, "sequences analysed")
     max_seq_len: int = knob(128, "text input: tokens per sequence (shards keep their length)")
-    pack_text: bool = knob(False, "text input: pack consecutive lines of a document into one sequence "
-                                  "(default: a line each)")
+    pack_text: bool = knob(
+        False, "text input: pack consecutive lines of a document into one sequence (default: a line each)"
+    )
     batch_size: int = knob(32, "sequences per forward pass")
     isotropy_tokens: int = knob(10000, "last-layer vectors drawn for the isotropy summary")
     isotropy_pairs: int = knob(20000, "random token pairs for the mean random-pair cosine")
@@ -72,8 +94,13 @@ def load_encoder(path: Path, *, tokenizer_dir: Optional[Path] = None):
     if not (path / "config.json").is_file():
         raise UsageError(f"--model {path}: not a Hugging Face model folder (no config.json)")
     encoder = AutoModel.from_pretrained(path)
-    tok_dir = path if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file() \
-        or (path / "vocab.txt").is_file() else tokenizer_dir
+    tok_dir = (
+        path
+        if (path / "tokenizer_config.json").is_file()
+        or (path / "tokenizer.json").is_file()
+        or (path / "vocab.txt").is_file()
+        else tokenizer_dir
+    )
     if tok_dir is None:
         raise UsageError(f"--model {path} has no tokenizer files; pass --tokenizer DIR")
     return encoder.eval(), AutoTokenizer.from_pretrained(tok_dir)
@@ -107,24 +134,43 @@ class AnalysisData:
     def sequences(self, tokenizer, *, label: str) -> tuple[list[AnalysisSequence], SourceStats]:
         if self.is_mds:
             if vocab_fingerprint(tokenizer) != vocab_fingerprint(self.shard_tokenizer):
-                raise UsageError(f"model {label!r} uses another vocabulary than the shards in {self.path}; "
-                                 "analyse it on a text file instead (--data FILE.txt)")
+                raise UsageError(
+                    f"model {label!r} uses another vocabulary than the shards in {self.path}; "
+                    "analyse it on a text file instead (--data FILE.txt)"
+                )
             tokenizer = self.shard_tokenizer
         key = vocab_fingerprint(tokenizer)
         if key not in self._cache:
             if self.is_mds:
-                self._cache[key] = read_mds_sequences(self.path, special_ids=structural_special_ids(tokenizer),
-                                                      max_sequences=self.cfg.max_sequences,
-                                                      unk_id=tokenizer.unk_token_id)
+                self._cache[key] = read_mds_sequences(
+                    self.path,
+                    special_ids=structural_special_ids(tokenizer),
+                    max_sequences=self.cfg.max_sequences,
+                    unk_id=tokenizer.unk_token_id,
+                )
             else:
-                self._cache[key] = read_text_sequences(self.path, tokenizer=tokenizer, max_seq_len=self.cfg.max_seq_len,
-                                                       max_sequences=self.cfg.max_sequences, pack=self.cfg.pack_text)
+                self._cache[key] = read_text_sequences(
+                    self.path,
+                    tokenizer=tokenizer,
+                    max_seq_len=self.cfg.max_seq_len,
+                    max_sequences=self.cfg.max_sequences,
+                    pack=self.cfg.pack_text,
+                )
         return self._cache[key]
 
 
 @torch.inference_mode()
-def analyse_encoder(encoder, *, seqs: Sequence[AnalysisSequence], pad_id: int, batch_size: int,
-                    device: torch.device, isotropy_tokens: int, isotropy_pairs: int, seed: int) -> dict:
+def analyse_encoder(
+    encoder,
+    *,
+    seqs: Sequence[AnalysisSequence],
+    pad_id: int,
+    batch_size: int,
+    device: torch.device,
+    isotropy_tokens: int,
+    isotropy_pairs: int,
+    seed: int,
+) -> dict:
     """Per-layer similarity metrics (layer 0 = embedding output) and the last layer's isotropy summary.
 
     The isotropy vectors are the last-layer states of `isotropy_tokens` analysed tokens drawn
@@ -135,8 +181,10 @@ def analyse_encoder(encoder, *, seqs: Sequence[AnalysisSequence], pad_id: int, b
     max_pos = getattr(encoder.config, "max_position_embeddings", None)
     too_long = [len(s.input_ids) for s in seqs if max_pos is not None and len(s.input_ids) > max_pos]
     if too_long:
-        raise UsageError(f"{len(too_long)} sequences are longer ({max(too_long)}) than the model's "
-                         f"max_position_embeddings ({max_pos}); lower --max_seq_len")
+        raise UsageError(
+            f"{len(too_long)} sequences are longer ({max(too_long)}) than the model's "
+            f"max_position_embeddings ({max_pos}); lower --max_seq_len"
+        )
     stats: list[analysis.SimilarityStats] = []
     last_chunks: list[torch.Tensor] = []
     gen = torch.Generator().manual_seed(seed)
@@ -145,12 +193,18 @@ def analyse_encoder(encoder, *, seqs: Sequence[AnalysisSequence], pad_id: int, b
     chosen_N[torch.randperm(total, generator=gen)[:isotropy_tokens]] = True
     offset = 0
     for start in range(0, len(seqs), batch_size):
-        batch = collate(seqs[start:start + batch_size], pad_id=pad_id)
+        batch = collate(seqs[start : start + batch_size], pad_id=pad_id)
         if int(batch["input_ids"].max()) >= encoder.config.vocab_size:
-            raise UsageError(f"token id {int(batch['input_ids'].max())} >= the model's vocab_size "
-                             f"{encoder.config.vocab_size}: data and model use different vocabularies")
-        out = encoder(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
-                      token_type_ids=batch["token_type_ids"].to(device), output_hidden_states=True)
+            raise UsageError(
+                f"token id {int(batch['input_ids'].max())} >= the model's vocab_size "
+                f"{encoder.config.vocab_size}: data and model use different vocabularies"
+            )
+        out = encoder(
+            input_ids=batch["input_ids"].to(device),
+            attention_mask=batch["attention_mask"].to(device),
+            token_type_ids=batch["token_type_ids"].to(device),
+            output_hidden_states=True,
+        )
         sentence_BL = batch["sentence"].to(device)
         if not stats:
             stats = [analysis.SimilarityStats() for _ in out.hidden_states]
@@ -158,7 +212,7 @@ def analyse_encoder(encoder, *, seqs: Sequence[AnalysisSequence], pad_id: int, b
             layer_stats.update(hidden_BLD.float(), sentence_BL=sentence_BL)
         # Boolean indexing walks the batch row by row, the same order as `total` counted the tokens.
         last_nD = out.hidden_states[-1][sentence_BL >= 0].float().cpu()
-        last_chunks.append(last_nD[chosen_N[offset:offset + last_nD.shape[0]]])
+        last_chunks.append(last_nD[chosen_N[offset : offset + last_nD.shape[0]]])
         offset += last_nD.shape[0]
     assert offset == total, (offset, total)
     last_ND = torch.cat(last_chunks)
@@ -175,8 +229,9 @@ def analyse_encoder(encoder, *, seqs: Sequence[AnalysisSequence], pad_id: int, b
 
 
 @torch.inference_mode()
-def sentence_heatmap(encoder, *, tokenizer, text: str, max_tokens: int,
-                     device: torch.device) -> tuple[list[str], list[list[float]]]:
+def sentence_heatmap(
+    encoder, *, tokenizer, text: str, max_tokens: int, device: torch.device
+) -> tuple[list[str], list[list[float]]]:
     """Tokens of `text` (specials left out, cut to max_tokens) and their last-layer cosine matrix."""
     enc = tokenizer(text, return_tensors="pt", truncation=True, max_length=max_tokens + 2)
     hidden_LD = encoder.to(device)(**{k: v.to(device) for k, v in enc.items()}).last_hidden_state[0]
@@ -190,8 +245,13 @@ def sentence_heatmap(encoder, *, tokenizer, text: str, max_tokens: int,
 
 def _summary(result: dict) -> dict:
     last = result["layers"][-1]
-    return {"intra_sentence": last["intra_sentence"], "intra_context": last["intra_context"],
-            "inter_context": last["inter_context"], "gap": last["gap"], **result["isotropy"]}
+    return {
+        "intra_sentence": last["intra_sentence"],
+        "intra_context": last["intra_context"],
+        "inter_context": last["inter_context"],
+        "gap": last["gap"],
+        **result["isotropy"],
+    }
 
 
 def training_curve(run_dir: Path, *, data: AnalysisData, cfg: AnalyzeConfig, device: torch.device) -> list[dict]:
@@ -213,9 +273,16 @@ def training_curve(run_dir: Path, *, data: AnalysisData, cfg: AnalyzeConfig, dev
             model, tokenizer = load_student(ckpt)
             encoder = model.bert.eval()
         seqs, _ = data.sequences(tokenizer, label=f"{run_dir}@{step}")
-        result = analyse_encoder(encoder, seqs=seqs, pad_id=tokenizer.pad_token_id, batch_size=cfg.batch_size,
-                                 device=device, isotropy_tokens=cfg.isotropy_tokens,
-                                 isotropy_pairs=cfg.isotropy_pairs, seed=cfg.seed)
+        result = analyse_encoder(
+            encoder,
+            seqs=seqs,
+            pad_id=tokenizer.pad_token_id,
+            batch_size=cfg.batch_size,
+            device=device,
+            isotropy_tokens=cfg.isotropy_tokens,
+            isotropy_pairs=cfg.isotropy_pairs,
+            seed=cfg.seed,
+        )
         points.append({"step": step, "checkpoint": str(ckpt), **_summary(result)})
     return points
 
@@ -240,25 +307,44 @@ def run_analysis(cfg: AnalyzeConfig) -> dict:
     device = resolve_device(cfg.device)
     data = AnalysisData(cfg)
     cfg.out.mkdir(parents=True, exist_ok=True)
-    metrics: dict = {"data": {}, "models": {}, "figures": {}, "config": {
-        k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items() if k != "models"}}
+    metrics: dict = {
+        "data": {},
+        "models": {},
+        "figures": {},
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items() if k != "models"},
+    }
     heat_panels = []
     heat_text = cfg.heatmap_text
     for label, path in cfg.models:
         encoder, tokenizer = load_encoder(path, tokenizer_dir=cfg.tokenizer)
         seqs, source = data.sequences(tokenizer, label=label)
         metrics["data"][vocab_fingerprint(tokenizer)] = asdict(source)
-        result = analyse_encoder(encoder, seqs=seqs, pad_id=tokenizer.pad_token_id, batch_size=cfg.batch_size,
-                                 device=device, isotropy_tokens=cfg.isotropy_tokens,
-                                 isotropy_pairs=cfg.isotropy_pairs, seed=cfg.seed)
+        result = analyse_encoder(
+            encoder,
+            seqs=seqs,
+            pad_id=tokenizer.pad_token_id,
+            batch_size=cfg.batch_size,
+            device=device,
+            isotropy_tokens=cfg.isotropy_tokens,
+            isotropy_pairs=cfg.isotropy_pairs,
+            seed=cfg.seed,
+        )
         if heat_text is None:
-            heat_text = first_sentence_text(seqs, tokenizer=data.shard_tokenizer or tokenizer, max_tokens=cfg.heatmap_max_tokens)
-        tokens, sim = sentence_heatmap(encoder, tokenizer=tokenizer, text=heat_text, max_tokens=cfg.heatmap_max_tokens, device=device)
+            heat_text = first_sentence_text(
+                seqs, tokenizer=data.shard_tokenizer or tokenizer, max_tokens=cfg.heatmap_max_tokens
+            )
+        tokens, sim = sentence_heatmap(
+            encoder, tokenizer=tokenizer, text=heat_text, max_tokens=cfg.heatmap_max_tokens, device=device
+        )
         heat_panels.append((label, tokens, sim))
-        metrics["models"][label] = {"path": str(path), "vocab": vocab_fingerprint(tokenizer),
-                                    "unk_share": source.unk_tokens / max(source.tokens, 1),
-                                    "last_layer": _summary(result), **result,
-                                    "heatmap": {"text": heat_text, "tokens": tokens, "similarity": sim}}
+        metrics["models"][label] = {
+            "path": str(path),
+            "vocab": vocab_fingerprint(tokenizer),
+            "unk_share": source.unk_tokens / max(source.tokens, 1),
+            "last_layer": _summary(result),
+            **result,
+            "heatmap": {"text": heat_text, "tokens": tokens, "similarity": sim},
+        }
         del encoder
     if cfg.models:
         import numpy as np
@@ -266,12 +352,16 @@ def run_analysis(cfg: AnalyzeConfig) -> dict:
         curves = {label: m["layers"] for label, m in metrics["models"].items()}
         metrics["figures"]["layerwise"] = plots.plot_layerwise(curves, path=cfg.out / "layerwise.png").name
         metrics["figures"]["heatmap"] = plots.plot_heatmaps(
-            [(label, tokens, np.asarray(sim)) for label, tokens, sim in heat_panels], path=cfg.out / "heatmap.png").name
+            [(label, tokens, np.asarray(sim)) for label, tokens, sim in heat_panels], path=cfg.out / "heatmap.png"
+        ).name
     if cfg.run is not None:
         points = training_curve(cfg.run, data=data, cfg=cfg, device=device)
         metrics["run"] = {"path": str(cfg.run), "checkpoints": points}
         metrics["figures"]["training_gap"] = plots.plot_training_gap(
-            points, path=cfg.out / "training_gap.png", title=f"run {cfg.run.resolve().name}: last-layer similarity over training").name
+            points,
+            path=cfg.out / "training_gap.png",
+            title=f"run {cfg.run.resolve().name}: last-layer similarity over training",
+        ).name
     metrics["wall_s"] = round(time.time() - t0, 1)
     (cfg.out / "metrics.json").write_text(json.dumps(metrics, indent=1, ensure_ascii=False))
     (cfg.out / "README.md").write_text(report_markdown(metrics), encoding="utf-8")
@@ -287,20 +377,31 @@ def report_markdown(metrics: dict) -> str:
     lines = ["# Representation analysis", ""]
     for fp, src in metrics["data"].items():
         skipped = ", ".join(f"{k}: {v}" for k, v in src["skipped"].items()) or "none"
-        lines.append(f"Data: `{src['source']}` ({src['kind']}, vocabulary {fp}): {src['sequences']} sequences, "
-                     f"{src['sentences']} sentences, {src['tokens']} tokens analysed; left out: {skipped}.")
-    lines += ["", "Special tokens ([CLS], [SEP], [PAD], [MASK]) and padding are left out of every number. "
-              "Cosine means: intra-sentence = different tokens of one sentence (TaCL); intra-context = different "
-              "tokens of one sequence, inter-context = tokens of two different sequences (TACO); "
-              "random pairs and top principal direction: isotropy of the last layer.", ""]
+        lines.append(
+            f"Data: `{src['source']}` ({src['kind']}, vocabulary {fp}): {src['sequences']} sequences, "
+            f"{src['sentences']} sentences, {src['tokens']} tokens analysed; left out: {skipped}."
+        )
+    lines += [
+        "",
+        "Special tokens ([CLS], [SEP], [PAD], [MASK]) and padding are left out of every number. "
+        "Cosine means: intra-sentence = different tokens of one sentence (TaCL); intra-context = different "
+        "tokens of one sequence, inter-context = tokens of two different sequences (TACO); "
+        "random pairs and top principal direction: isotropy of the last layer.",
+        "",
+    ]
     if metrics["models"]:
-        lines += ["| model | intra-sentence | intra-context | inter-context | gap | random-pair cos | "
-                  "top-PC variance share | [UNK] share |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "| model | intra-sentence | intra-context | inter-context | gap | random-pair cos | "
+            "top-PC variance share | [UNK] share |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for label, m in metrics["models"].items():
             s = m["last_layer"]
-            lines.append(f"| {label} | {_f(s['intra_sentence'])} | {_f(s['intra_context'])} | {_f(s['inter_context'])}"
-                         f" | {_f(s['gap'])} | {_f(s['random_pair_cosine'])} | {_f(s['top_direction_variance_share'])}"
-                         f" | {_f(m['unk_share'])} |")
+            lines.append(
+                f"| {label} | {_f(s['intra_sentence'])} | {_f(s['intra_context'])} | {_f(s['inter_context'])}"
+                f" | {_f(s['gap'])} | {_f(s['random_pair_cosine'])} | {_f(s['top_direction_variance_share'])}"
+                f" | {_f(m['unk_share'])} |"
+            )
         lines += ["", "(last layer)", ""]
     figs = metrics["figures"]
     n = 1
@@ -309,16 +410,25 @@ def report_markdown(metrics: dict) -> str:
         n += 1
     if "heatmap" in figs:
         text = next(iter(metrics["models"].values()))["heatmap"]["text"]
-        lines += [f"{n}. Token-by-token cosine of one sentence ({text!r}), last layer, one panel per model: "
-                  f"![heatmap]({figs['heatmap']})", ""]
+        lines += [
+            f"{n}. Token-by-token cosine of one sentence ({text!r}), last layer, one panel per model: "
+            f"![heatmap]({figs['heatmap']})",
+            "",
+        ]
         n += 1
     if "training_gap" in figs:
-        lines += [f"{n}. Intra/inter-context gap over the checkpoints of `{metrics['run']['path']}`: "
-                  f"![training gap]({figs['training_gap']})", "",
-                  "| step | intra-sentence | intra-context | inter-context | gap |", "|---|---|---|---|---|"]
+        lines += [
+            f"{n}. Intra/inter-context gap over the checkpoints of `{metrics['run']['path']}`: "
+            f"![training gap]({figs['training_gap']})",
+            "",
+            "| step | intra-sentence | intra-context | inter-context | gap |",
+            "|---|---|---|---|---|",
+        ]
         for p in metrics["run"]["checkpoints"]:
-            lines.append(f"| {p['step']} | {_f(p['intra_sentence'])} | {_f(p['intra_context'])} | "
-                         f"{_f(p['inter_context'])} | {_f(p['gap'])} |")
+            lines.append(
+                f"| {p['step']} | {_f(p['intra_sentence'])} | {_f(p['intra_context'])} | "
+                f"{_f(p['inter_context'])} | {_f(p['gap'])} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -328,9 +438,14 @@ def print_summary(metrics: dict, *, out: Path) -> None:
     for label, m in metrics["models"].items():
         s = m["last_layer"]
         if m["unk_share"] > 0.05:
-            print(f"[analyze] warning: {100 * m['unk_share']:.0f}% of {label}'s tokens are [UNK]: its vocabulary "
-                  "does not cover this text, so its similarities say little", file=sys.stderr)
-        print(f"[analyze] {label}: last layer intra-sentence {s['intra_sentence']:.4f} intra-context "
-              f"{s['intra_context']:.4f} inter-context {s['inter_context']:.4f} gap {s['gap']:.4f} "
-              f"random-pair {s['random_pair_cosine']:.4f} top-PC {s['top_direction_variance_share']:.4f}")
+            print(
+                f"[analyze] warning: {100 * m['unk_share']:.0f}% of {label}'s tokens are [UNK]: its vocabulary "
+                "does not cover this text, so its similarities say little",
+                file=sys.stderr,
+            )
+        print(
+            f"[analyze] {label}: last layer intra-sentence {s['intra_sentence']:.4f} intra-context "
+            f"{s['intra_context']:.4f} inter-context {s['inter_context']:.4f} gap {s['gap']:.4f} "
+            f"random-pair {s['random_pair_cosine']:.4f} top-PC {s['top_direction_variance_share']:.4f}"
+        )
     print(f"[analyze] wrote {out}/metrics.json and README.md ({metrics['wall_s']} s)")
