@@ -179,6 +179,12 @@ def build_loader(
     """
     from streaming import Stream, StreamingDataLoader
 
+    class Loader(StreamingDataLoader):
+        # streaming counts the samples it has yielded (its resume state) as the length of a batch's
+        # first value; our batches begin with host values (the layout's name), so say it outright.
+        def _get_batch_size(self, batch: Any) -> int:
+            return int(batch["num_sequences"])
+
     distributed.normalize_launch_env()
     markers = _separate_colocated_nodes(run_id)
     locals_ = _attempt_caches(info)
@@ -198,7 +204,7 @@ def build_loader(
     for m in markers or []:
         # Only the prefix search needed them; streaming's own lock files are not among them.
         m.unlink(missing_ok=True)
-    loader = StreamingDataLoader(
+    loader = Loader(
         dataset,
         batch_size=micro_batch,
         collate_fn=collator,

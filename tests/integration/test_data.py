@@ -43,7 +43,9 @@ def _tok(folder: Path):
     return AutoTokenizer.from_pretrained(folder / "tokenizer")
 
 
-def _collator(folder: Path, *, nsp: bool, seed: int = 0, whole_word: bool = False) -> MaskingCollator:
+def _collator(
+    folder: Path, *, nsp: bool, seed: int = 0, whole_word: bool = False, padding: str = "remove"
+) -> MaskingCollator:
     tok = _tok(folder)
     spec = MaskingSpec(
         mask_token_id=tok.mask_token_id,
@@ -51,7 +53,7 @@ def _collator(folder: Path, *, nsp: bool, seed: int = 0, whole_word: bool = Fals
         vocab_size=len(tok),
         whole_word=whole_word,
     )
-    return MaskingCollator(spec=spec, pad_id=tok.pad_token_id, seed=seed, nsp=nsp, max_seq_len=64)
+    return MaskingCollator(spec=spec, pad_id=tok.pad_token_id, seed=seed, nsp=nsp, max_seq_len=64, padding=padding)
 
 
 def _copy(src: Path, dest: Path) -> Path:
@@ -160,7 +162,7 @@ def _samples(rows: list[list[int]], *, nsp: bool = False) -> list[dict]:
 
 
 def test_collator_pads_to_the_longest_and_aligns_labels(nsp):
-    col = _collator(nsp, nsp=True)
+    col = _collator(nsp, nsp=True, padding="keep")
     tok = _tok(nsp)
     rows = [tok("the big cat sees the dog in the park .")["input_ids"], tok("the fox .")["input_ids"]]
     b = col(_samples(rows, nsp=True))
@@ -179,6 +181,23 @@ def test_collator_pads_to_the_longest_and_aligns_labels(nsp):
     assert torch.equal(again["input_ids"], b["input_ids"])
     shuffled = col(list(reversed(_samples(rows, nsp=True))))
     assert torch.equal(shuffled["input_ids"][1, : len(rows[0])], b["input_ids"][0, : len(rows[0])])
+
+
+def test_unpadded_layout_is_the_padded_batch_without_its_pads(nsp):
+    tok = _tok(nsp)
+    rows = [tok("the big cat sees the dog in the park .")["input_ids"], tok("the fox .")["input_ids"]]
+    padded = _collator(nsp, nsp=True, padding="keep")(_samples(rows, nsp=True))
+    b = _collator(nsp, nsp=True)(_samples(rows, nsp=True))
+    assert b["layout"] == "unpadded" and padded["layout"] == "padded"
+    real = padded["attention_mask"].bool()
+    # One [T] stream of the real tokens, split by cu_seqlens, with the same masks as the padded batch.
+    assert b["input_ids"].tolist() == padded["input_ids"][real].tolist()
+    assert b["original_ids"].tolist() == padded["original_ids"][real].tolist()
+    assert b["cu_seqlens"].tolist() == [0, len(rows[0]), len(rows[0]) + len(rows[1])]
+    assert b["position_ids"].tolist() == list(range(len(rows[0]))) + list(range(len(rows[1])))
+    assert b["masked_index"].shape == b["mlm_labels"].shape
+    assert b["original_ids"][b["masked_index"]].tolist() == b["mlm_labels"].tolist() == padded["mlm_labels"].tolist()
+    assert b["num_sequences"] == 2 and b["num_tokens"] == sum(map(len, rows))
 
 
 def test_collator_refuses_overlong_samples(nsp):
