@@ -13,9 +13,9 @@ after logging, before saving). metrics.jsonl rewrites those lines; W&B cannot: o
 below the run's last one, and offline the second process's file would hold a second copy that
 `wandb sync` uploads. So the sink sends only the steps W&B lacks. Online, the server says which (the
 resumed run's starting step). Offline, RUN/wandb.json records the last step sent, after every send,
-and whether the process finished its W&B run. The resume is exact, so the losses W&B keeps for
-re-trained steps are the ones metrics.jsonl rewrites; only timings (throughput, `time`) come from
-the earlier process. Lines of metrics.jsonl that W&B lacks (W&B switched on mid-run, a process
+and whether the process finished its W&B run. For a re-trained step W&B keeps what the earlier
+process sent; metrics.jsonl has the re-trained values (with an exact resume they agree but for
+timings). Lines of metrics.jsonl that W&B lacks (W&B switched on mid-run, a process
 killed between the two writes) are sent when the next process starts, before its first new step.
 A process killed outright (SIGKILL, a lost node) may take with it what wandb had not yet written:
 online the next process sends it again; offline that is unknowable, the next process warns, and
