@@ -39,13 +39,12 @@ def first_host(nodelist: str) -> str:
                 return out.stdout.split()[0]
         except (OSError, subprocess.SubprocessError):
             pass  # a login node without a reachable controller: parse it ourselves
-    m = re.match(r"([^,\[]*)(?:\[([^\]]+)\])?([^,\[]*)", nodelist.strip())
-    if m is None or not (m.group(1) or m.group(2)):
+    # The first item is the text before the first comma outside brackets; its first host takes the
+    # first number of every bracket group ("rack[1-2]-n[01-02]" -> "rack1-n01"), padding as written.
+    first = re.match(r"(?:[^,\[]|\[[^\]]*\])+", nodelist.strip())
+    if first is None:
         raise ValueError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}")
-    prefix, ranges, suffix = m.groups()
-    if not ranges:
-        return prefix + suffix
-    return prefix + ranges.split(",")[0].split("-")[0] + suffix
+    return re.sub(r"\[([^\]]*)\]", lambda g: re.split(r"[-,]", g.group(1))[0], first.group(0))
 
 
 def master_port_for_job(job_id: str) -> int:

@@ -43,27 +43,48 @@ require_int() {  # NAME VALUE [MIN]
 # The allocation
 # ---------------------------------------------------------------------------------------------------
 
-# Expand a Slurm host list ("gpu[001-003,007],cpu1") into one name per line. scontrol does it
-# when it can reach a configuration; the fallback covers dry runs on a laptop without Slurm.
+# Expand a Slurm host list ("gpu[001-003,007]-ib,cpu1", "rack[1-2]-n[01-02]") into one name per
+# line. scontrol does it when it can reach a configuration; the fallback covers dry runs on a laptop
+# without Slurm: text around the brackets is kept, several bracket groups expand left to right.
 expand_hostlist() {
     local list="$1"
     if command -v scontrol >/dev/null 2>&1 && scontrol show hostnames "$list" 2>/dev/null; then
         return 0
     fi
-    local rest="$list" item prefix ranges r lo hi width i
-    while [[ -n "$rest" ]]; do
-        if [[ "$rest" =~ ^([^,\[]+)\[([^]]+)\](,?)(.*)$ ]]; then
-            prefix="${BASH_REMATCH[1]}" ranges="${BASH_REMATCH[2]}" rest="${BASH_REMATCH[4]}"
-            IFS=',' read -ra items <<<"$ranges"
-            for r in "${items[@]}"; do
-                lo="${r%-*}" hi="${r#*-}" width="${#lo}"
-                for ((i = 10#$lo; i <= 10#$hi; i++)); do printf '%s%0*d\n' "$prefix" "$width" "$i"; done
-            done
+    local item="" c depth=0 i
+    # Split on the commas outside brackets.
+    for ((i = 0; i < ${#list}; i++)); do
+        c="${list:i:1}"
+        [[ "$c" == "[" ]] && depth=$((depth + 1))
+        [[ "$c" == "]" ]] && depth=$((depth - 1))
+        if [[ "$c" == "," && $depth -eq 0 ]]; then
+            _expand_host "$item"
+            item=""
         else
-            item="${rest%%,*}"
-            [[ "$rest" == *,* ]] && rest="${rest#*,}" || rest=""
-            printf '%s\n' "$item"
+            item+="$c"
         fi
+    done
+    [[ -n "$item" ]] && _expand_host "$item"
+    return 0
+}
+
+# One host-list item ("pre[01-03,7]post[1-2]") -> its names: the first bracket group expanded, the
+# rest of the item recursively.
+_expand_host() {
+    local item="$1" prefix ranges rest r lo hi width i tail
+    if [[ ! "$item" =~ ^([^\[]*)\[([^]]+)\](.*)$ ]]; then
+        printf '%s\n' "$item"
+        return
+    fi
+    prefix="${BASH_REMATCH[1]}" ranges="${BASH_REMATCH[2]}" rest="${BASH_REMATCH[3]}"
+    local -a items tails
+    IFS=',' read -ra items <<<"$ranges"
+    mapfile -t tails < <(_expand_host "$rest")
+    for r in "${items[@]}"; do
+        lo="${r%-*}" hi="${r#*-}" width="${#lo}"
+        for ((i = 10#$lo; i <= 10#$hi; i++)); do
+            for tail in "${tails[@]}"; do printf '%s%0*d%s\n' "$prefix" "$width" "$i" "$tail"; done
+        done
     done
 }
 

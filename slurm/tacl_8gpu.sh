@@ -28,6 +28,7 @@
 #   SAVE_DIR         [runs/tacl-8gpu]     MAX_STEPS [150000]     SAVE_EVERY, SEED [the trainer's defaults]
 #   DS_CONFIG        [deepspeed_configs/zero2_tacl.json: micro-batch 32 x accumulation 1 x 8 = 256, the paper's]
 #   TOKENIZER        [DATA/tokenizer]     EXPORT_DIR []     EXTRA_ARGS (e.g. --whole_word_masking) []
+#   REPORT_TO        tensorboard | wandb | tensorboard,wandb [tensorboard]; WANDB_* reach every rank
 #   NODES [1], GPUS_PER_NODE [8], PARTITION, ACCOUNT, TIME_LIMIT, CPU_MODE [0], DIST_TIMEOUT_S [the trainer's],
 #   PYTHON [python], LOCAL_DISK [$SLURM_TMPDIR or /tmp], MAX_REQUEUES [50], DRY_RUN [0]
 #

@@ -41,6 +41,9 @@
 #   SEED             [the trainer's default]
 #   DIST_TIMEOUT_S   a collective waits at most this long for a dead or hung rank [the trainer's default]
 #   EXPORT_DIR       write the final student as a Hugging Face folder []
+#   REPORT_TO        the trainer's --report_to: tensorboard, wandb, both comma-separated [tensorboard];
+#                    WANDB_* variables (WANDB_PROJECT, WANDB_MODE=offline, ...) reach every rank, and a
+#                    requeued job continues the same W&B run
 #   EXTRA_ARGS       more pipeline/train.py flags, split on spaces []
 #   PYTHON           the interpreter the ranks run [python]
 #   LOCAL_DISK       node-local scratch root; the job uses LOCAL_DISK/tokencl-JOBID as TMPDIR [$SLURM_TMPDIR or /tmp]

@@ -58,6 +58,7 @@ build_train_cmd() {
     [[ -n "${LR:-}" ]] && TRAIN_CMD+=(--lr "$LR")
     [[ -n "${WARMUP_STEPS:-}" ]] && TRAIN_CMD+=(--warmup_steps "$WARMUP_STEPS")
     [[ -n "${EXPORT_DIR:-}" ]] && TRAIN_CMD+=(--export_dir "$EXPORT_DIR")
+    [[ -n "${REPORT_TO:-}" ]] && TRAIN_CMD+=(--report_to "$REPORT_TO")
     # EXTRA_ARGS is split on white space: flags without spaces in their values.
     local extra
     read -ra extra <<<"${EXTRA_ARGS:-}"
@@ -90,6 +91,21 @@ check_paths_exist() {
     done
     [[ -f "$DS_CONFIG" ]] || die "DS_CONFIG: no such file: $DS_CONFIG"
     [[ -z "${INIT_FROM:-}" || -d "$INIT_FROM" ]] || die "INIT_FROM: no such folder: $INIT_FROM"
+}
+
+# The W&B settings the ranks get: every WANDB_* variable of this shell reaches the tasks (srun
+# --export=ALL, whatever SLURM_EXPORT_ENV a site or `sbatch --export` set), and a requeued job keeps
+# the environment it was submitted with. Values are printed except the API key's.
+describe_wandb() {
+    local names=() name
+    mapfile -t names < <(compgen -e | grep '^WANDB_' | sort)
+    (( ${#names[@]} )) || { [[ "${REPORT_TO:-}" == *wandb* ]] && say "W&B: no WANDB_* variables set" \
+        "(the ranks use \`wandb login\`'s credentials; WANDB_MODE=offline where nodes have no internet)"; return 0; }
+    local shown=()
+    for name in "${names[@]}"; do
+        if [[ "$name" == *KEY* || "$name" == *TOKEN* ]]; then shown+=("$name=(set)"); else shown+=("$name=${!name}"); fi
+    done
+    say "W&B: ${shown[*]} (passed to every task)"
 }
 
 # "global batch 256 = micro 32 x accumulation 1 x 8 ranks", read from the DeepSpeed JSON (its owner).
@@ -146,8 +162,9 @@ dry_run() {  # NODELIST TASKS_PER_NODE CPUS_PER_TASK JOB_ID
         "TMPDIR=$LOCAL_DISK/tokencl-$job (on each node)"
     build_train_cmd
     set_binding
+    describe_wandb
     print_cmd srun --kill-on-bad-exit=1 --nodes="${#nodes[@]}" --ntasks="$world" --ntasks-per-node="$tpn" \
-        --cpus-per-task="$cpt" "${BIND[@]}" bash "$REPO/slurm/task_env.sh" "${TRAIN_CMD[@]}"
+        --cpus-per-task="$cpt" --export=ALL "${BIND[@]}" bash "$REPO/slurm/task_env.sh" "${TRAIN_CMD[@]}"
     print_resolved_config
     for n in "${nodes[@]}"; do
         say "node $n: RANK $((i * tpn))..$((i * tpn + tpn - 1)), LOCAL_RANK 0..$((tpn - 1))"
@@ -188,8 +205,9 @@ run_in_allocation() {
     say "MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT TMPDIR=$JOB_SCRATCH (on each node)"
     build_train_cmd
     set_binding
+    describe_wandb
     local srun_cmd=(srun --kill-on-bad-exit=1 --nodes="$nnodes" --ntasks="$world" --ntasks-per-node="$tpn"
-                    --cpus-per-task="$cpt" "${BIND[@]}" bash "$REPO/slurm/task_env.sh" "${TRAIN_CMD[@]}")
+                    --cpus-per-task="$cpt" --export=ALL "${BIND[@]}" bash "$REPO/slurm/task_env.sh" "${TRAIN_CMD[@]}")
     print_cmd "${srun_cmd[@]}"
 
     run_step_forwarding_signals "${srun_cmd[@]}"

@@ -50,6 +50,22 @@ def _positive_floats(text: str) -> list[float]:
     return values
 
 
+REPORT_TARGETS = ("tensorboard", "wandb")
+
+
+def _report_targets(text: str) -> tuple[str, ...]:
+    """--report_to: a comma-separated subset of REPORT_TARGETS, or none (metrics.jsonl is always written)."""
+    names = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    if names == ("none",):
+        return ()
+    unknown = [n for n in names if n not in REPORT_TARGETS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of {', '.join(REPORT_TARGETS)} or none, got {text!r}"
+        )
+    return names
+
+
 def _int_tuple(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
@@ -177,6 +193,14 @@ class RunArgs:
     max_nonfinite: int = cli.knob(5, "abort after N NaN/inf losses in a row", math=False)
     trace_samples: bool = cli.knob(False, "write RUN/sample_trace.jsonl: the sample ids of every step", math=False)
     peak_tflops: Optional[float] = cli.knob(None, "device peak for MFU (default: built-in table)", math=False)
+    report_to: tuple[str, ...] = cli.knob(
+        ("tensorboard",),
+        "where rank 0 sends the metrics besides RUN/metrics.jsonl: tensorboard, wandb (the wandb extra), both "
+        "comma-separated, or none",
+        parse=_report_targets,
+        math=False,
+        metavar="LIST",
+    )
     progress_bar: str = cli.knob(
         "auto",
         "tqdm on rank 0; auto = only when stderr is a terminal (a bar in a batch "
@@ -325,6 +349,8 @@ def validate(cfg: TrainConfig) -> None:
     ):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
+    if set(r.report_to) - set(REPORT_TARGETS):  # a --config file's value skips the flag's parser
+        raise UsageError(f"--report_to {','.join(r.report_to)}: expected names among {', '.join(REPORT_TARGETS)}")
     if not r.dist_timeout_s > 0:
         raise UsageError(f"--dist_timeout_s must be > 0, got {r.dist_timeout_s}")
     if not 0 < d.mask_prob < 1:

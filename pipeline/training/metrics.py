@@ -137,46 +137,71 @@ class Meter:
         return out, elapsed, steps
 
 
-def _truncate_jsonl(path: Path, *, last_step: int) -> None:
-    """Keep the lines of steps <= last_step: a resumed run rewrites what came after its checkpoint."""
+def _truncate_jsonl(path: Path, *, last_step: int) -> list[dict[str, Any]]:
+    """Keep the lines of steps <= last_step: a resumed run rewrites what came after its checkpoint.
+    Returns the records kept."""
     if not path.exists():
-        return
-    kept = []
+        return []
+    lines, kept = [], []
     for line in path.read_text().splitlines():
         try:
-            if json.loads(line).get("step", 0) <= last_step:
-                kept.append(line)
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut by the crash that caused the resume
-    path.write_text("".join(k + "\n" for k in kept))
+        if record.get("step", 0) <= last_step:
+            lines.append(line)
+            kept.append(record)
+    path.write_text("".join(k + "\n" for k in lines))
+    return kept
 
 
 class MetricsWriter:
-    """RUN/metrics.jsonl and RUN/tensorboard/ (rank 0 only; other ranks get a writer that does
-    nothing). On resume, lines after the resumed step are dropped so every step appears once."""
+    """RUN/metrics.jsonl, and the `report_to` sinks: RUN/tensorboard/, a W&B run
+    (pipeline.training.wandb_sink). Rank 0 only; other ranks get a writer that does nothing. On resume,
+    lines after the resumed step are dropped so every step appears once, and TensorBoard purges them;
+    W&B keeps the steps it has and gets the ones it lacks. `run_config` is the resolved configuration
+    (W&B's run config); `new_run` (--resume none) starts a new W&B run even in a folder that had one."""
 
-    def __init__(self, save_dir: Path, *, enabled: bool, resume_step: int, trace: bool) -> None:
+    def __init__(
+        self,
+        save_dir: Path,
+        *,
+        enabled: bool,
+        resume_step: int,
+        trace: bool,
+        report_to: tuple[str, ...] = ("tensorboard",),
+        run_config: Optional[dict[str, Any]] = None,
+        new_run: bool = False,
+    ) -> None:
         self.enabled = enabled
         self.path = save_dir / "metrics.jsonl"
         self.trace_path = save_dir / "sample_trace.jsonl" if trace else None
-        self._tb = None
+        self._tb = self._wandb = None
         self._f = self._trace = None
         if not enabled:
             return
         save_dir.mkdir(parents=True, exist_ok=True)
-        _truncate_jsonl(self.path, last_step=resume_step)
+        kept = _truncate_jsonl(self.path, last_step=resume_step)
         self._f = open(self.path, "a", buffering=1)
         if self.trace_path is not None:
             _truncate_jsonl(self.trace_path, last_step=resume_step)
             self._trace = open(self.trace_path, "a", buffering=1)
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+        if "tensorboard" in report_to:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(save_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
-        except ImportError:  # tensorboard is a dependency; a broken install should not stop training
-            from pipeline.training import log
+                purge = resume_step + 1 if resume_step else None
+                self._tb = SummaryWriter(str(save_dir / "tensorboard"), purge_step=purge)
+            except ImportError:  # tensorboard is a dependency; a broken install should not stop training
+                from pipeline.training import log
 
-            log.warning("tensorboard unavailable: metrics go to metrics.jsonl only")
+                log.warning("tensorboard unavailable: metrics go to metrics.jsonl only")
+        if "wandb" in report_to:
+            from pipeline.training.wandb_sink import WandbSink
+
+            self._wandb = WandbSink(save_dir, config=run_config or {}, new_run=new_run)
+            for record in kept:  # what an earlier process wrote here but W&B lacks
+                self._wandb.log(record)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -187,17 +212,22 @@ class MetricsWriter:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(f"train/{k}", v, step)
+        if self._wandb is not None:
+            self._wandb.log(record)
 
     def trace(self, step: int, sample_ids: list[list[int]]) -> None:
         if self.enabled and self._trace is not None:
             self._trace.write(json.dumps({"step": step, "sample_ids": sample_ids}) + "\n")
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
+        """`failed`: the run ended with an exception (W&B marks the run failed; a pre-empted run is not)."""
         for f in (self._f, self._trace):
             if f is not None:
                 f.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close(failed=failed)
 
 
 def progress_bar(*, enabled: bool, total: int, initial: int):

@@ -18,6 +18,7 @@ from pipeline.data.shards import DataInfo, check_objective_against_data, default
 from pipeline.training import checkpoint
 from pipeline.training.config import TrainConfig, resume_changes
 from pipeline.training.ds_config import load_ds_json, resolve_ds_config
+from pipeline.training.wandb_sink import check_available as check_report_to
 from preprocessing.errors import UsageError
 
 
@@ -45,6 +46,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
     from pipeline.modeling.bert_config import bert_config, check_positions, check_vocab
     from pipeline.modeling.student import check_init_from
 
+    check_report_to(cfg.run.report_to)
     world = distributed.launch_world_size()
     ds = resolve_ds_config(
         load_ds_json(cfg.run.ds_config), schedule=cfg.schedule, world_size=world, path=cfg.run.ds_config

@@ -420,7 +420,13 @@ def train(prep: Prepared) -> int:
     try:
         run = setup(prep)
         writer = MetricsWriter(
-            run.save_dir, enabled=distributed.is_main(), resume_step=run.step, trace=cfg.run.trace_samples
+            run.save_dir,
+            enabled=distributed.is_main(),
+            resume_step=run.step,
+            trace=cfg.run.trace_samples,
+            report_to=cfg.run.report_to,
+            run_config=run.resolved,
+            new_run=cfg.run.resume == "none",
         )
         show_bar = cfg.run.progress_bar == "on" or (cfg.run.progress_bar == "auto" and sys.stderr.isatty())
         bar = progress_bar(enabled=distributed.is_main() and show_bar, total=cfg.schedule.max_steps, initial=run.step)
@@ -432,7 +438,7 @@ def train(prep: Prepared) -> int:
         if bar is not None:
             bar.close()
         if writer is not None:
-            writer.close()
+            writer.close(failed=sys.exc_info()[0] is not None)  # in a finally: the exception on its way out
         if run is not None:
             shutdown_loader(run.loader)
         distributed.release_deepspeed_shm()

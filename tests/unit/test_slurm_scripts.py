@@ -132,6 +132,27 @@ def test_taco_dry_run_follows_the_knobs():
     assert "CPU mode" in r.stdout
 
 
+def test_wandb_settings_reach_the_ranks_and_the_key_is_never_printed():
+    r = run_script(
+        "taco_64gpu.sh",
+        DRY_RUN="1",
+        REPORT_TO="tensorboard,wandb",
+        WANDB_PROJECT="tokencl-test",
+        WANDB_MODE="offline",
+        WANDB_API_KEY="not-to-be-printed",
+    )
+    assert r.returncode == 0, r.stderr
+    (srun,) = [line for line in r.stdout.splitlines() if line.startswith("+ srun")]
+    # --export=ALL: the batch shell's variables reach the tasks even where SLURM_EXPORT_ENV says otherwise.
+    assert "--cpus-per-task=8 --export=ALL" in srun and "--report_to tensorboard,wandb" in srun
+    assert "W&B: WANDB_API_KEY=(set) WANDB_MODE=offline WANDB_PROJECT=tokencl-test (passed to every task)" in r.stdout
+    assert "not-to-be-printed" not in r.stdout + r.stderr
+    resolved = json.loads(
+        r.stdout[r.stdout.index("{", r.stdout.index("resolved configuration")) :].rsplit("}", 1)[0] + "}"
+    )
+    assert resolved["run"]["report_to"] == ["tensorboard", "wandb"]
+
+
 @pytest.mark.parametrize(
     "knob,value,message",
     [
@@ -187,25 +208,80 @@ def test_build_requires_inputs_and_output():
 
 
 def _expand_reference(hostlist: str) -> list[str]:
+    """Slurm's host-list syntax, straightforwardly: items split on commas outside brackets, every
+    bracket group a list of numbers or ranges (zero padding as written), the groups' product."""
+    import itertools
+
     hosts = []
-    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", hostlist):
-        prefix, ranges = m.group(1), m.group(2)
-        if not ranges:
-            hosts.append(prefix)
-            continue
-        for r in ranges.split(","):
-            lo, _, hi = r.partition("-")
-            hosts += [f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi or lo) + 1)]
+    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):
+        parts = re.split(r"\[([^\]]*)\]", item)  # text, group, text, group, ..., text
+        choices = []
+        for i, part in enumerate(parts):
+            if i % 2 == 0:
+                choices.append([part])
+                continue
+            numbers = []
+            for r in part.split(","):
+                lo, _, hi = r.partition("-")
+                numbers += [f"{n:0{len(lo)}d}" for n in range(int(lo), int(hi or lo) + 1)]
+            choices.append(numbers)
+        hosts += ["".join(p) for p in itertools.product(*choices)]
     return hosts
 
 
-@pytest.mark.parametrize("hostlist", ["n1", "n[1-2]", "gpu[001-003,007],cpu1", "a[08-11],b[1],c", "x-y[9-10]"])
-def test_hostlist_expansion_without_slurm(hostlist):
+HOSTLISTS = [
+    "n1",
+    "n[1-2]",
+    "n[1-3]",
+    "gpu[001-003,007],cpu1",
+    "a[08-11],b[1],c",
+    "x-y[9-10]",
+    "a1,b2",
+    "gpu[01-02]-ib",
+    "gpu[01-02,05]-ib",
+    "rack1-n[001-002]",
+    "rack[1-2]-n[01-02],login-[7]",
+]
+
+
+@pytest.mark.parametrize("hostlist", HOSTLISTS)
+def test_hostlist_expansion_without_slurm(hostlist, monkeypatch):
     got = bash(f"expand_hostlist '{hostlist}'", PATH="/usr/bin:/bin").split()
     assert got == _expand_reference(hostlist)
+    import shutil as sh
+
     from pipeline.distributed import first_host
 
-    assert got[0] == first_host(hostlist)  # the trainer's own fallback mapping agrees
+    monkeypatch.setattr(sh, "which", lambda name, *a, **k: None)  # no scontrol: the trainer's own parser
+    assert first_host(hostlist) == got[0]
+
+
+def test_first_host_fallback_keeps_the_text_after_the_brackets(monkeypatch):
+    import shutil as sh
+
+    from pipeline.distributed import first_host
+
+    monkeypatch.setattr(sh, "which", lambda name, *a, **k: None)  # no scontrol: the parser
+    assert first_host("gpu[01-02]-ib") == "gpu01-ib"
+    assert first_host("gpu[01-02,05]-ib") == "gpu01-ib"
+    assert first_host("n[1-3]") == "n1"
+    assert first_host("a1,b2") == "a1"
+    assert first_host("rack1-n[001-002]") == "rack1-n001"
+    assert first_host("rack[1-2]-n[01-02]") == "rack1-n01"
+    with pytest.raises(ValueError, match="cannot parse"):
+        first_host(",n1")
+
+
+def test_first_host_asks_scontrol_where_there_is_one(tmp_path, monkeypatch):
+    fake = tmp_path / "scontrol"
+    fake.write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "node-from-scontrol\\nother\\n"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    from pipeline.distributed import first_host
+
+    assert first_host("gpu[01-02]-ib") == "node-from-scontrol"
+    fake.write_text("#!/bin/sh\nexit 1\n")  # installed but no controller reachable: the parser
+    assert first_host("gpu[01-02]-ib") == "gpu01-ib"
 
 
 def test_latest_checkpoint_step(tmp_path):
