@@ -6,18 +6,16 @@ Without --ray_address, Ray is started on this machine with no dashboard process 
 cloud metadata endpoints) and a reaper that stops its processes when the builder ends, even by
 `kill -9` (see local_ray.py for both, and for the manual clean-up).
 
-OUTPUT/ after a build:
-  index.json            merged MDS index over every part-XXXXX/ (what StreamingDataset reads)
-  part-XXXXX/           one chunk's shards + its index.json, part_stats.json, rejects.jsonl
-  tokenizer/            the HF tokenizer folder the samples were made with
-  build_manifest.json   resolved config, tokenizer hash, versions, counts, wall time, MB/s
-  rejects.jsonl         every skipped line/document with file and line (or row) and reason
-  .build.lock           only while a build runs: its pid, host and start (see lock.py)
+OUTPUT/ after a build is what preprocessing/shard_format.py describes (index.json, part-XXXXX/,
+tokenizer/, build_manifest.json, rejects.jsonl); each part-XXXXX/ also keeps its own index.json,
+part_stats.json and rejects.jsonl (what --resume reuses), and `.build.lock` exists only while a
+build runs (its pid, host and start; see lock.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -31,10 +29,8 @@ from preprocessing.config import OUTPUT_KEYS, BuildConfig, parse_args
 from preprocessing.errors import UsageError, note
 from preprocessing.inputs import Chunk, InputFile, auto_chunk_bytes, plan_chunks, resolve_inputs
 from preprocessing.lock import output_lock
-from preprocessing.mds import COMPRESSION, HASHES, SIZE_LIMIT, columns_for, merge_local_indexes
+from preprocessing.mds import merge_local_indexes
 from preprocessing.output import (
-    MANIFEST,
-    REJECTS,
     check_output_path,
     check_resumable,
     concat_rejects,
@@ -43,10 +39,18 @@ from preprocessing.output import (
     prepare_output,
     remove_stale,
     verify_done_parts,
-    write_json,
 )
 from preprocessing.process import PART_REJECTS, PART_STATS, TaskSpec, process_chunk
 from preprocessing.report import aggregate, explain_no_samples, format_summary, versions
+from preprocessing.shard_format import (
+    INDEX,
+    MANIFEST,
+    REJECTS,
+    TOKENIZER_DIR,
+    BuildManifest,
+    MdsSettings,
+    columns_for,
+)
 from preprocessing.tokenization import prepare_tokenizer, training_texts
 
 MB = 1 << 20
@@ -55,7 +59,7 @@ MB = 1 << 20
 FORWARDED_ENV_PREFIXES = ("AWS_", "S3_", "GOOGLE_", "GCS_", "AZURE_", "OCI_", "DATABRICKS_")
 
 
-def build_shards(cfg: BuildConfig) -> dict:
+def build_shards(cfg: BuildConfig) -> BuildManifest:
     """Build OUTPUT from cfg; return the manifest (also written to OUTPUT/build_manifest.json).
     Raises UsageError (a ValueError) for bad inputs, flags or tokenizer, before any chunk is
     processed."""
@@ -106,10 +110,10 @@ def _build(
     files: list[InputFile],
     chunks: list[Chunk],
     chunk_bytes: int,
-    previous: dict | None,
+    previous: BuildManifest | None,
     workers: int,
     t0: float,
-) -> dict:
+) -> BuildManifest:
     texts = None
     if cfg.train_tokenizer:
 
@@ -121,7 +125,7 @@ def _build(
         train=cfg.train_tokenizer,
         vocab_size=cfg.vocab_size,
         lowercase=cfg.lowercase,
-        out_dir=out / "tokenizer",
+        out_dir=out / TOKENIZER_DIR,
         texts=texts,
         sp_model_type=cfg.sp_model_type,
     )
@@ -130,15 +134,15 @@ def _build(
     if previous is not None:
         check_resumable(previous, fingerprint=fp, out=out)
         verify_done_parts(out, done, part_stats=PART_STATS)
-    manifest = {
-        "status": "running",
-        "config": _resolved_config(cfg, chunk_bytes),
-        "fingerprint": fp,
-        "tokenizer": tok.manifest(),
-        "versions": versions(),
-        "inputs": [asdict(f) for f in files],
-    }
-    write_json(out / MANIFEST, manifest)
+    manifest = BuildManifest(
+        status="running",
+        config=_resolved_config(cfg, chunk_bytes),
+        fingerprint=fp,
+        tokenizer=tok.record(),
+        versions=versions(),
+        inputs=[asdict(f) for f in files],
+    )
+    manifest.write(out / MANIFEST)
 
     done_names = {c.name for c in done}
     todo = [c for c in chunks if c.name not in done_names]
@@ -158,7 +162,7 @@ def _build(
         sep_id=tok.sep_id,
         vocab_size=tok.vocab_size,
     )
-    tokenizer_json = (out / "tokenizer" / "tokenizer.json").read_text(encoding="utf-8")
+    tokenizer_json = (out / TOKENIZER_DIR / "tokenizer.json").read_text(encoding="utf-8")
 
     new_stats = _run_chunks(ray, todo, plan=chunks, spec=spec, tokenizer_json=tokenizer_json, cfg=cfg, workers=workers)
     part_stats = sorted(
@@ -168,24 +172,23 @@ def _build(
     wall = time.time() - t0
     counts = aggregate(part_stats, fmt=cfg.format)
     used = {(s["host"], s["pid"]) for s in new_stats}
-    manifest.update(
-        {
-            "status": "complete" if counts["samples"] else "empty",
-            "counts": counts,
-            "columns": columns_for(fmt=cfg.format, vocab_size=tok.vocab_size),
-            "worker_slots": workers,
-            "mds": {"compression": COMPRESSION, "hashes": HASHES, "size_limit": SIZE_LIMIT},
-            "chunks": len(chunks),
-            "chunks_resumed": len(done),
-            "workers": len(used),
-            "peak_rss_mb_per_worker": max([s["peak_rss_mb"] for s in new_stats], default=0.0),
-            "wall_s": round(wall, 3),
-            "mb_per_s": round(counts["input_bytes"] / 1e6 / max(wall, 1e-9), 3),
-        }
+    manifest = dataclasses.replace(
+        manifest,
+        status="complete" if counts.samples else "empty",
+        counts=counts,
+        columns=columns_for(fmt=cfg.format, vocab_size=tok.vocab_size),
+        worker_slots=workers,
+        mds=MdsSettings(),
+        chunks=len(chunks),
+        chunks_resumed=len(done),
+        workers=len(used),
+        peak_rss_mb_per_worker=max([s["peak_rss_mb"] for s in new_stats], default=0.0),
+        wall_s=round(wall, 3),
+        mb_per_s=round(counts.input_bytes / 1e6 / max(wall, 1e-9), 3),
     )
-    write_json(out / MANIFEST, manifest)
+    manifest.write(out / MANIFEST)
     _finish_index(ray, out=out, cfg=cfg, part_names=[c.name for c in chunks])
-    if not counts["samples"]:
+    if not counts.samples:
         raise UsageError(
             f"--output {out}: the build wrote no samples: "
             + explain_no_samples(counts, fmt=cfg.format, max_seq_len=cfg.max_seq_len)
@@ -308,14 +311,14 @@ def merge_part_indexes(output: str, *, remote: str, part_names: list[str], extra
 
     logging.getLogger().setLevel(logging.ERROR)  # merge_index warns about its temporary folder
     out = Path(output)
-    (out / "index.json").unlink(missing_ok=True)
-    local = [str(out / name / "index.json") for name in part_names]
-    urls = [(path, f"{remote.rstrip('/')}/{name}/index.json") for path, name in zip(local, part_names)]
+    (out / INDEX).unlink(missing_ok=True)
+    local = [str(out / name / INDEX) for name in part_names]
+    urls = [(path, f"{remote.rstrip('/')}/{name}/{INDEX}") for path, name in zip(local, part_names)]
     merge_index(urls, (output, remote), keep_local=True)
     uploader = CloudUploader.get((output, remote), exist_ok=True, keep_local=True)
     for name in extra_files:
         uploader.upload_file(name)
-    return len(json.loads((out / "index.json").read_text())["shards"])
+    return len(json.loads((out / INDEX).read_text())["shards"])
 
 
 def _finish_index(ray, *, out: Path, cfg: BuildConfig, part_names: list[str]) -> None:
@@ -328,7 +331,7 @@ def _finish_index(ray, *, out: Path, cfg: BuildConfig, part_names: list[str]) ->
         merge_local_indexes(str(out), part_names)
         return
 
-    extra = [MANIFEST, REJECTS] + sorted(str(p.relative_to(out)) for p in (out / "tokenizer").iterdir())
+    extra = [MANIFEST, REJECTS] + sorted(str(p.relative_to(out)) for p in (out / TOKENIZER_DIR).iterdir())
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     task = ray.remote(num_cpus=0)(merge_part_indexes).options(scheduling_strategy=here, **_task_options(cfg))
     ray.get(task.remote(str(out), remote=cfg.remote, part_names=part_names, extra_files=extra))

@@ -8,9 +8,8 @@ from dataclasses import asdict, dataclass, field, fields
 
 from preprocessing import charsets
 from preprocessing.errors import UsageError
+from preprocessing.shard_format import FORMATS
 from preprocessing.tokenization import SP_MODEL_TYPES, TRAINABLE
-
-FORMATS = ("nsp", "packed")
 
 
 @dataclass
@@ -68,7 +67,7 @@ class BuildConfig:
         if self.train_tokenizer and not 100 <= self.vocab_size <= 1 << 20:
             raise UsageError(f"--vocab_size {self.vocab_size}: must be between 100 and {1 << 20}")
         if self.format not in FORMATS:
-            raise UsageError(f"--format {self.format}: choose nsp or packed")
+            raise UsageError(f"--format {self.format}: choose {' or '.join(FORMATS)}")
         lowest = 5 if self.format == "nsp" else 2
         if not lowest <= self.max_seq_len <= 1 << 16:
             raise UsageError(

@@ -1,4 +1,5 @@
-"""MDS output: the column schema, a sample encoder specialised to it, and the shard writers.
+"""MDS output: a sample encoder specialised to the contract's columns, and the shard writers (the
+columns, compression, hashes and size limit are preprocessing.shard_format's).
 
 A chunk task writes thousands of samples per MB of text, and `import streaming` alone costs a Ray
 worker ~4 s and ~1 GB (it imports torch, torchvision and transformers). So:
@@ -21,30 +22,9 @@ from typing import Any
 
 import numpy as np
 
-COMPRESSION = "zstd"
-HASHES = ["xxh64"]
-SIZE_LIMIT = "64mb"
-_SIZE_LIMIT_BYTES = 64 << 20  # streaming's "64mb" (binary units)
+from preprocessing.shard_format import COMPRESSION, HASH, HASHES, INDEX, MDS_VERSION, SIZE_LIMIT_BYTES
+
 _ZSTD_LEVEL = 3  # streaming's default for "zstd"
-_MDS_VERSION = 2
-
-
-def columns_for(*, fmt: str, vocab_size: int) -> dict[str, str]:
-    """The MDS columns of the contract: uint16 ids while the vocabulary fits, else uint32."""
-    id_dtype = "uint16" if vocab_size <= (1 << 16) else "uint32"
-    columns = {
-        "input_ids": f"ndarray:{id_dtype}",
-        "token_type_ids": "ndarray:uint8",
-        "word_starts": "ndarray:uint8",
-        "lang": "str",
-    }
-    if fmt == "nsp":
-        columns["nsp_label"] = "int"
-    return columns
-
-
-def id_dtype_for(vocab_size: int) -> type:
-    return np.uint16 if vocab_size <= (1 << 16) else np.uint32
 
 
 def _shape_header(n: int) -> bytes:
@@ -102,13 +82,13 @@ class LocalMDSWriter:
     hashes=["xxh64"], size_limit="64mb")`, without importing streaming. Use as a context manager;
     `shards` holds the index entries."""
 
-    def __init__(self, *, out: str, columns: dict[str, str], size_limit: int = _SIZE_LIMIT_BYTES):
+    def __init__(self, *, out: str, columns: dict[str, str], size_limit: int = SIZE_LIMIT_BYTES):
         self.local = out
         os.makedirs(out, exist_ok=True)
         self.encoder = SampleEncoder(columns)
         self.size_limit = size_limit
         self.config = {
-            "version": _MDS_VERSION,
+            "version": MDS_VERSION,
             "format": "mds",
             "compression": COMPRESSION,
             "hashes": list(HASHES),
@@ -148,11 +128,11 @@ class LocalMDSWriter:
             f.write(zipped)
         entry = {
             "samples": n,
-            "raw_data": {"basename": raw_name, "bytes": len(raw), "hashes": {"xxh64": xxhash.xxh64(raw).hexdigest()}},
+            "raw_data": {"basename": raw_name, "bytes": len(raw), "hashes": {HASH: xxhash.xxh64(raw).hexdigest()}},
             "zip_data": {
                 "basename": zip_name,
                 "bytes": len(zipped),
-                "hashes": {"xxh64": xxhash.xxh64(zipped).hexdigest()},
+                "hashes": {HASH: xxhash.xxh64(zipped).hexdigest()},
             },
         }
         entry.update(
@@ -181,8 +161,8 @@ class LocalMDSWriter:
             return
         if self._samples:
             self._flush()
-        with open(os.path.join(self.local, "index.json"), "w") as f:
-            json.dump({"version": _MDS_VERSION, "shards": self.shards}, f, sort_keys=True)
+        with open(os.path.join(self.local, INDEX), "w") as f:
+            json.dump({"version": MDS_VERSION, "shards": self.shards}, f, sort_keys=True)
 
 
 def merge_local_indexes(out: str, part_names: list[str]) -> int:
@@ -191,17 +171,17 @@ def merge_local_indexes(out: str, part_names: list[str]) -> int:
     without importing streaming. Returns the number of shards."""
     shards = []
     for name in part_names:
-        with open(os.path.join(out, name, "index.json")) as f:
+        with open(os.path.join(out, name, INDEX)) as f:
             part = json.load(f)
         for shard in part["shards"]:
             for key in ("raw_data", "zip_data", "raw_meta", "zip_meta"):
                 if shard.get(key):
                     shard[key]["basename"] = f"{name}/{shard[key]['basename']}"
             shards.append(shard)
-    tmp = os.path.join(out, "index.json.tmp")
+    tmp = os.path.join(out, INDEX + ".tmp")
     with open(tmp, "w") as f:
-        json.dump({"version": _MDS_VERSION, "shards": shards}, f)
-    os.replace(tmp, os.path.join(out, "index.json"))
+        json.dump({"version": MDS_VERSION, "shards": shards}, f)
+    os.replace(tmp, os.path.join(out, INDEX))
     return len(shards)
 
 

@@ -16,10 +16,9 @@ from pathlib import Path
 
 from preprocessing.errors import UsageError, note
 from preprocessing.lock import LOCK_NAME
+from preprocessing.shard_format import INDEX, MANIFEST, REJECTS, TOKENIZER_DIR, BuildManifest
 
-MANIFEST = "build_manifest.json"
-REJECTS = "rejects.jsonl"
-EARLY_ARTEFACTS = frozenset({"tokenizer", "tokenizer.tmp", MANIFEST + ".tmp"})
+EARLY_ARTEFACTS = frozenset({TOKENIZER_DIR, TOKENIZER_DIR + ".tmp", MANIFEST + ".tmp"})
 """What a build writes before its first manifest."""
 
 
@@ -53,7 +52,7 @@ def _clear(entries: list[Path]) -> None:
         shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
 
 
-def prepare_output(out: Path, *, overwrite: bool, resume: bool) -> dict | None:
+def prepare_output(out: Path, *, overwrite: bool, resume: bool) -> BuildManifest | None:
     """Refuse a non-empty OUTPUT without --resume/--overwrite. Returns the previous manifest when
     resuming one, else None (after clearing OUTPUT for --overwrite). OUTPUT exists and this
     build holds its lock."""
@@ -71,7 +70,7 @@ def prepare_output(out: Path, *, overwrite: bool, resume: bool) -> dict | None:
             _clear(entries)
             return None
     if overwrite:
-        looks_built = has_manifest or (out / "index.json").exists() or any(out.glob("part-*"))
+        looks_built = has_manifest or (out / INDEX).exists() or any(out.glob("part-*"))
         if not looks_built:
             raise UsageError(
                 f"--output {out}: is not empty and holds no previous build; "
@@ -85,16 +84,10 @@ def prepare_output(out: Path, *, overwrite: bool, resume: bool) -> dict | None:
                 f"--resume: {out} has no {MANIFEST}, so it is not a build to resume; "
                 "use another --output or --overwrite"
             )
-        return json.loads((out / MANIFEST).read_text())
+        return BuildManifest.read(out / MANIFEST)
     raise UsageError(
         f"--output {out}: is not empty; pass --resume to finish the build in it or --overwrite to replace it"
     )
-
-
-def write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, ensure_ascii=False))
-    tmp.replace(path)
 
 
 # ---- resume -------------------------------------------------------------------------------------
@@ -115,10 +108,10 @@ def _when(mtime_ns: int) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime_ns / 1e9)) + f".{mtime_ns % 10**9:09d}"
 
 
-def check_resumable(previous: dict, *, fingerprint: dict, out: Path) -> None:
+def check_resumable(previous: BuildManifest, *, fingerprint: dict, out: Path) -> None:
     """Refuse --resume when the settings or the inputs differ from the interrupted build's, naming
     each changed setting or file."""
-    before = previous.get("fingerprint", {})
+    before = previous.fingerprint
     if "input_state" not in before:
         raise UsageError(
             f"--resume: {out} was built by an older builder that did not record the state of "

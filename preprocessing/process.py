@@ -29,23 +29,16 @@ import numpy as np
 
 from preprocessing.errors import UsageError
 from preprocessing.inputs import Chunk, check_unchanged, digest, reading
-from preprocessing.mds import (
-    COMPRESSION,
-    HASHES,
-    SIZE_LIMIT,
-    LocalMDSWriter,
-    columns_for,
-    id_dtype_for,
-    make_fast_writer_class,
-)
+from preprocessing.mds import LocalMDSWriter, make_fast_writer_class
 from preprocessing.readers import ChunkReader
 from preprocessing.samples import Packer, TokenizedDocs, assemble_nsp, concat_docs, nsp_instances
+from preprocessing.shard_format import COMPRESSION, HASHES, REJECTS, SIZE_LIMIT, columns_for, id_dtype_for
 from preprocessing.text import clean_text, detect_language, split_sentences
 from preprocessing.tokenization import SentenceEncoder
 from preprocessing.words import word_starts
 
 PART_STATS = "part_stats.json"
-PART_REJECTS = "rejects.jsonl"
+PART_REJECTS = REJECTS  # each part's own; the build concatenates them into DATA/rejects.jsonl
 DONOR_DOCS = 32
 DONOR_CHARS = 1 << 16
 """A block with a single document draws its random B segments from donors: the documents of the

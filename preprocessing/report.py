@@ -7,6 +7,8 @@ import platform
 from collections import Counter
 from importlib import metadata
 
+from preprocessing.shard_format import BuildManifest, Counts
+
 PACKAGES = (
     "tokencl",
     "tokenizers",
@@ -30,9 +32,9 @@ def versions() -> dict[str, str]:
     return out
 
 
-def aggregate(part_stats: list[dict], *, fmt: str) -> dict:
-    """Sum the parts' counters into the manifest's `counts`; checks that every document is
-    accounted for: documents_in == documents_written + sum(documents_skipped)."""
+def aggregate(part_stats: list[dict], *, fmt: str) -> Counts:
+    """Sum the parts' counters into the manifest's counts; checks that every document is accounted
+    for: documents_in == documents_written + sum(documents_skipped)."""
     total: Counter = Counter()
     for stats in part_stats:
         total.update(stats["counts"])
@@ -42,94 +44,89 @@ def aggregate(part_stats: list[dict], *, fmt: str) -> dict:
         for k, v in sorted(total.items())
         if k.startswith("rejects_") and k != "rejects_not_logged" and v
     }
-    counts = {
-        "documents_in": total["documents_in"],
-        "documents_written": total["documents_written"],
-        "documents_skipped": skipped,
-        "documents_split": total["documents_split"],
-        "sentences": total["sentences"],
-        "tokens": total["tokens"],
-        "tokens_by_lang": {"en": total["tokens_en"], "zh": total["tokens_zh"]},
-        "samples": total["samples"],
-        "tokens_in_samples": total["tokens_in_samples"],
-        "shards": total["shards"],
-        "bytes": total["bytes"],
-        "input_bytes": total["input_bytes"],
-        "non_utf8_replacements": total["non_utf8_replacements"],
-        "long_line_pieces": total["long_line_pieces"],
-        "problems_by_reason": rejects,
-        "problems_not_logged": total["rejects_not_logged"],
-    }
+    counts = Counts(
+        documents_in=total["documents_in"],
+        documents_written=total["documents_written"],
+        documents_skipped=skipped,
+        documents_split=total["documents_split"],
+        sentences=total["sentences"],
+        tokens=total["tokens"],
+        tokens_by_lang={"en": total["tokens_en"], "zh": total["tokens_zh"]},
+        samples=total["samples"],
+        tokens_in_samples=total["tokens_in_samples"],
+        shards=total["shards"],
+        bytes=total["bytes"],
+        input_bytes=total["input_bytes"],
+        non_utf8_replacements=total["non_utf8_replacements"],
+        long_line_pieces=total["long_line_pieces"],
+        problems_by_reason=rejects,
+        problems_not_logged=total["rejects_not_logged"],
+    )
     if fmt == "nsp":
-        counts["nsp_random_next"] = total["nsp_random_next"]
-        # Blocks with one document, whose random B segments came from other chunks' documents.
-        counts["nsp_blocks_with_donors"] = total["nsp_blocks_with_donors"]
-        counts["tokens_truncated"] = total["tokens_truncated"]
+        counts.nsp_random_next = total["nsp_random_next"]
+        counts.nsp_blocks_with_donors = total["nsp_blocks_with_donors"]
+        counts.tokens_truncated = total["tokens_truncated"]
     else:
-        counts["tokens_dropped_tail"] = total["tokens_dropped_tail"]
-    accounted = counts["documents_written"] + sum(skipped.values())
-    assert counts["documents_in"] == accounted, (
-        f"internal error: {counts['documents_in']} documents in, {accounted} accounted for"
+        counts.tokens_dropped_tail = total["tokens_dropped_tail"]
+    accounted = counts.documents_written + sum(skipped.values())
+    assert counts.documents_in == accounted, (
+        f"internal error: {counts.documents_in} documents in, {accounted} accounted for"
     )
     return counts
 
 
-def format_summary(manifest: dict) -> str:
-    """A readable table of the manifest's counts."""
-    c = manifest["counts"]
-    cfg = manifest["config"]
+def format_summary(manifest: BuildManifest) -> str:
+    """A readable table of the manifest's counts (of a finished build)."""
+    m, c, tok = manifest, manifest.counts, manifest.tokenizer
+    assert c is not None and tok is not None, "format_summary needs a finished build's manifest"
     rows = [
-        ("output", cfg["output"]),
-        ("format", f"{cfg['format']}, max_seq_len {cfg['max_seq_len']}, seed {cfg['seed']}"),
-        ("tokenizer", f"{manifest['tokenizer']['kind']} ({manifest['tokenizer']['vocab_size']} tokens)"),
-        (
-            "input",
-            f"{c['input_bytes'] / 1e6:.1f} MB in {manifest['chunks']} chunks "
-            f"({manifest['chunks_resumed']} already done)",
-        ),
+        ("output", m.config["output"]),
+        ("format", f"{m.format}, max_seq_len {m.max_seq_len}, seed {m.config['seed']}"),
+        ("tokenizer", f"{tok.kind} ({tok.vocab_size} tokens)"),
+        ("input", f"{c.input_bytes / 1e6:.1f} MB in {m.chunks} chunks ({m.chunks_resumed} already done)"),
         (
             "wall time",
-            f"{manifest['wall_s']:.1f} s  ({manifest['mb_per_s']:.2f} MB/s, "
-            f"{manifest['workers']} workers, peak RSS/worker {manifest['peak_rss_mb_per_worker']:.0f} MB)",
+            f"{m.wall_s:.1f} s  ({m.mb_per_s:.2f} MB/s, "
+            f"{m.workers} workers, peak RSS/worker {m.peak_rss_mb_per_worker:.0f} MB)",
         ),
-        ("documents in", f"{c['documents_in']:,}"),
-        ("documents written", f"{c['documents_written']:,}"),
+        ("documents in", f"{c.documents_in:,}"),
+        ("documents written", f"{c.documents_written:,}"),
     ]
-    rows += [(f"  skipped: {k}", f"{v:,}") for k, v in c["documents_skipped"].items()]
+    rows += [(f"  skipped: {k}", f"{v:,}") for k, v in c.documents_skipped.items()]
     rows += [
-        ("sentences", f"{c['sentences']:,}"),
-        ("tokens", f"{c['tokens']:,}  (en {c['tokens_by_lang']['en']:,}, zh {c['tokens_by_lang']['zh']:,})"),
+        ("sentences", f"{c.sentences:,}"),
+        ("tokens", f"{c.tokens:,}  (en {c.tokens_by_lang['en']:,}, zh {c.tokens_by_lang['zh']:,})"),
         (
             "samples",
-            f"{c['samples']:,}" + (f"  ({c['nsp_random_next']:,} with a random B)" if "nsp_random_next" in c else ""),
+            f"{c.samples:,}" + (f"  ({c.nsp_random_next:,} with a random B)" if c.nsp_random_next is not None else ""),
         ),
     ]
-    if "tokens_truncated" in c:
-        rows.append(("tokens truncated", f"{c['tokens_truncated']:,}"))
-    if "tokens_dropped_tail" in c:
-        rows.append(("tokens dropped (tails)", f"{c['tokens_dropped_tail']:,}"))
+    if c.tokens_truncated is not None:
+        rows.append(("tokens truncated", f"{c.tokens_truncated:,}"))
+    if c.tokens_dropped_tail is not None:
+        rows.append(("tokens dropped (tails)", f"{c.tokens_dropped_tail:,}"))
     rows += [
-        ("shards", f"{c['shards']:,}  ({c['bytes'] / 1e6:.1f} MB, zstd)"),
-        ("non-UTF-8 replaced", f"{c['non_utf8_replacements']:,}"),
-        ("problems logged", f"{sum(c['problems_by_reason'].values()) - c['problems_not_logged']:,}  (rejects.jsonl)"),
+        ("shards", f"{c.shards:,}  ({c.bytes / 1e6:.1f} MB, zstd)"),
+        ("non-UTF-8 replaced", f"{c.non_utf8_replacements:,}"),
+        ("problems logged", f"{sum(c.problems_by_reason.values()) - c.problems_not_logged:,}  (rejects.jsonl)"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def explain_no_samples(counts: dict, *, fmt: str, max_seq_len: int) -> str:
+def explain_no_samples(counts: Counts, *, fmt: str, max_seq_len: int) -> str:
     """Why a build wrote nothing, from its counts, and what would change that."""
-    skipped = ", ".join(f"{k} {v:,}" for k, v in counts["documents_skipped"].items()) or "none"
+    skipped = ", ".join(f"{k} {v:,}" for k, v in counts.documents_skipped.items()) or "none"
     why = (
-        f"{counts['documents_in']:,} documents read, {counts['documents_written']:,} written "
+        f"{counts.documents_in:,} documents read, {counts.documents_written:,} written "
         f"(skipped: {skipped}; rejects.jsonl lists each one)"
     )
-    if counts["documents_in"] == 0:
+    if counts.documents_in == 0:
         return why + "; the inputs hold no documents"
-    if fmt == "packed" and counts.get("tokens_dropped_tail"):
+    if fmt == "packed" and counts.tokens_dropped_tail:
         return (
             why + f"; --format packed drops what is left of each chunk after its last full block of "
-            f"{max_seq_len} tokens ({counts['tokens_dropped_tail']:,} tokens here): give more text, a "
+            f"{max_seq_len} tokens ({counts.tokens_dropped_tail:,} tokens here): give more text, a "
             "smaller --max_seq_len or a larger --chunk_mb"
         )
     return why + "; every document was skipped"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from preprocessing.errors import UsageError
 from preprocessing.text import MAX_SENTENCE_CHARS, split_long
-from preprocessing.tokenization import SP_MODEL_TYPES, SPECIAL_TOKENS
+from preprocessing.tokenization import SP_MODEL_TYPES, SPECIAL_TOKENS, set_bert_post_processor
 
 SP_MODEL_FILE = "spiece.model"  # the file name HF's SentencePiece tokenizers (T5, ALBERT) use
 CHARACTER_COVERAGE = 0.9995  # sentencepiece's recommendation for Chinese/Japanese (1.0 keeps every rare character)
@@ -194,7 +194,7 @@ def hf_tokenizer_from_sentencepiece(proto: bytes):
     the normalizer below does the same steps in the same order. The pre-tokenizer then splits at
     '▁' (no piece holds a '▁' after its first character, sentencepiece's split_by_whitespace), so
     HF's per-word cache works; unknown characters are fused into one [UNK] as sentencepiece does."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     model_pb2 = _model_pb2()
     m = model_pb2.ModelProto()
@@ -236,12 +236,7 @@ def hf_tokenizer_from_sentencepiece(proto: bytes):
     )
     specials = [piece for piece, _, kind in pieces if kind in (_CONTROL, _UNKNOWN)]
     tok.add_special_tokens([AddedToken(p, special=True, normalized=False) for p in specials])
-    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]",
-        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
-    )
+    set_bert_post_processor(tok)
     return tok
 
 

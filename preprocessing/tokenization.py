@@ -28,6 +28,7 @@ import numpy as np
 
 from preprocessing.errors import UsageError
 from preprocessing.inputs import Chunk
+from preprocessing.shard_format import TOKENIZER_FILES, TokenizerRecord, read_vocabulary, special_tokens
 from preprocessing.text import _CJK_CLASS, CJK_RANGES, clean_text
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -37,7 +38,7 @@ SP_MODEL_TYPES = ("unigram", "bpe")  # --sp_model_type, for --train_tokenizer se
 
 @dataclass(frozen=True)
 class TokenizerInfo:
-    """What the manifest records and the workers need. `json` is tokenizer.json's text."""
+    """What the manifest records and the workers need."""
 
     path: str
     source: str
@@ -47,15 +48,11 @@ class TokenizerInfo:
     cls_id: int
     sep_id: int
     unk_id: int | None
+    vocab_fingerprint: str
 
-    def manifest(self) -> dict:
-        return {
-            "path": self.path,
-            "source": self.source,
-            "sha256": self.sha256,
-            "vocab_size": self.vocab_size,
-            "kind": self.kind,
-        }
+    def record(self) -> TokenizerRecord:
+        """What the manifest records of it."""
+        return TokenizerRecord(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TokenizerRecord)})
 
 
 def _normalizer(lowercase: bool):
@@ -111,7 +108,7 @@ def train_tokenizer(
     """Train a joint 'wordpiece' or 'unigram' vocabulary on `texts` (cleaned lines; a callable is
     called once per pass). Returns a `tokenizers.Tokenizer` whose first ids are SPECIAL_TOKENS,
     with BERT's [CLS] A [SEP] B [SEP] post-processor. The same texts give the same tokenizer, run after run."""
-    from tokenizers import Tokenizer, processors, trainers
+    from tokenizers import Tokenizer, trainers
 
     if not callable(texts) and iter(texts) is texts:
         # A one-shot iterator (a generator) would be empty on the second pass and train on nothing.
@@ -156,13 +153,21 @@ def train_tokenizer(
             rest[i] = [char, rest[i][1]]
         spec["model"]["vocab"] = head + sorted(rest, key=lambda p: (-p[1], p[0]))
     tok = Tokenizer.from_str(json.dumps(spec))
+    set_bert_post_processor(tok)
+    return tok
+
+
+def set_bert_post_processor(tok) -> None:
+    """BERT's [CLS] A [SEP] B [SEP] template (segment 1 for B) on a `tokenizers.Tokenizer`, so that the
+    saved tokenizer encodes pairs as the samples hold them."""
+    from tokenizers import processors
+
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
         pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
     )
-    return tok
 
 
 def _longest_ladder(pieces: list) -> list[int]:
@@ -218,19 +223,6 @@ def save_trained(tok, out_dir: Path, *, kind: str, lowercase: bool) -> None:
     hf.save_pretrained(str(out_dir))
 
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.txt",
-    "vocab.json",
-    "merges.txt",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-)
-
-
 def copy_tokenizer(name_or_path: str, out_dir: Path) -> None:
     """Copy --tokenizer into out_dir. A local folder with tokenizer.json and a tokenizer_class is
     copied file by file (no transformers import: seconds saved on every build); anything else
@@ -259,26 +251,12 @@ def copy_tokenizer(name_or_path: str, out_dir: Path) -> None:
 
 
 def describe(tok_dir: Path, *, source: str, kind: str | None = None) -> TokenizerInfo:
-    """TokenizerInfo of a saved folder; sha256 over tokenizer.json."""
+    """TokenizerInfo of a saved folder; sha256 over tokenizer.json, and its vocabulary fingerprint."""
     from tokenizers import Tokenizer
 
     data = (tok_dir / "tokenizer.json").read_bytes()
     tok = Tokenizer.from_str(data.decode("utf-8"))
-    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
-    sm = (
-        json.loads((tok_dir / "special_tokens_map.json").read_text())
-        if (tok_dir / "special_tokens_map.json").exists()
-        else {}
-    )
-
-    def special(name: str, default: str) -> str:
-        value = sm.get(name) or config.get(name) or default
-        return value["content"] if isinstance(value, dict) else value
-
-    ids = {
-        name: tok.token_to_id(special(f"{name}_token", f"[{name.upper()}]"))
-        for name in ("cls", "sep", "mask", "pad", "unk")
-    }
+    ids = {role: tok.token_to_id(token) for role, token in special_tokens(tok_dir).items()}
     missing = [f"{name} token" for name in ("cls", "sep", "mask", "pad") if ids[name] is None]
     if missing:
         raise UsageError(
@@ -296,6 +274,7 @@ def describe(tok_dir: Path, *, source: str, kind: str | None = None) -> Tokenize
         cls_id=cls_id,
         sep_id=sep_id,
         unk_id=unk_id,
+        vocab_fingerprint=read_vocabulary(tok_dir).fingerprint,
     )
 
 

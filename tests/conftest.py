@@ -12,7 +12,7 @@ SHARED_CORPORA = REPO.parent / "shared" / "corpora"
 # Set before any test imports deepspeed, ray or transformers.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # Ray binds the machine's routable address by default; this switch keeps the node and all its
-# services on 127.0.0.1 (see ../shared/ENVIRONMENT.md).
+# services on 127.0.0.1.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ["HF_HUB_OFFLINE"] = "1"

@@ -1,6 +1,9 @@
 """The streaming loader: a StreamingDataset that adds each sample's id and checks it on read, and the
 StreamingDataLoader around it, with per-node shared-memory prefixes and per-attempt caches.
 
+A shard that fails to arrive or to decompress (its xxh64 differs from the index, say) ends the job
+with a ShardError naming the source's file, on whichever worker thread streaming prepared it.
+
 `build_loader` runs after the process group exists, as mosaicml-streaming requires.
 """
 
@@ -20,20 +23,54 @@ from typing import Any, Optional
 from pipeline import distributed
 from pipeline.data.collator import MaskingCollator
 from pipeline.data.shards import DataInfo, ShardError
+from preprocessing.shard_format import HASH
 
 
 def _streaming_dataset_class():
     from streaming import StreamingDataset
+    from streaming.base.dataset import _ShardState
 
     class IdStreamingDataset(StreamingDataset):
         """A StreamingDataset whose samples carry their global `sample_id` and the `epoch`, and are
         checked on read: a sample that does not decode, or holds ids outside the vocabulary, raises
-        ShardError naming its shard."""
+        ShardError naming its shard, and so does a shard that cannot be prepared (fetched, checked
+        against its hash, decompressed)."""
 
         def __init__(self, *, vocab_size: int, **kwargs: Any) -> None:
             super().__init__(**kwargs)
             self.vocab_size = vocab_size
             self._epoch = 0
+            self._failure: Optional[ShardError] = None
+
+        def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
+            try:
+                super().prepare_shard(shard_id, blocking)
+            except Exception as e:
+                # streaming leaves the shard "being prepared" for good, so that every other worker
+                # of the node would wait for it: hand it back, and they fail on it too.
+                self._shard_states[shard_id] = _ShardState.REMOTE
+                shard = self.shards[shard_id]
+                stream = self.streams[self.stream_per_shard[shard_id]]
+                raw, zipped = shard.file_pairs[0]
+                name = os.path.join(stream.remote or stream.local, (zipped or raw).basename)
+                why = (
+                    f"its {HASH} differs from the index" if "Checksum failure" in str(e) else f"{type(e).__name__}: {e}"
+                )
+                self._failure = ShardError(f"corrupted shard {name}: cannot prepare it ({why}); rebuild the shards")
+                raise self._failure from e
+
+        def on_exception(self, future) -> None:
+            # streaming re-raises a background thread's error inside a future callback, where it is
+            # only logged (a long traceback) and the epoch quietly ends early: __iter__ raises ours.
+            if isinstance(future.exception(), ShardError):
+                self._event.set()
+                return
+            super().on_exception(future)
+
+        def __iter__(self):
+            yield from super().__iter__()
+            if self._failure is not None:
+                raise self._failure
 
         def _resume_incr_epoch(self) -> tuple[int, int]:
             # The epoch is decided here (on each worker) at the start of __iter__; the collator
@@ -48,8 +85,12 @@ def _streaming_dataset_class():
             return os.path.join(stream.remote or stream.local, self.shards[shard_id].raw_data.basename)
 
         def get_item(self, sample_id: int, retry: int = 7) -> dict[str, Any]:
+            if self._failure is not None:
+                raise self._failure
             try:
                 sample = super().get_item(sample_id, retry)
+            except ShardError:
+                raise
             except Exception as e:
                 raise ShardError(
                     f"corrupted shard {self._shard_name(sample_id)}: sample {sample_id} does not "
@@ -129,25 +170,26 @@ def _separate_colocated_nodes(key: str) -> Optional[list[Path]]:
 
 
 def _attempt_caches(info: DataInfo) -> list[str]:
-    """Where streaming caches each source: a local folder is read in place; a remote one goes to
-    CACHE/node{n}-{attempt}/stream..., private to this node and to this run of the job.
+    """Where streaming keeps each source's shards: a source read in place, its own folder; any other
+    (remote data, local .mds.zstd shards) CACHE/node{n}-{attempt}/stream..., private to this node and
+    to this run of the job.
 
     streaming refuses a cache folder that another live dataset registered with a remote, and a
     job killed hard leaves its registration behind in shared memory: a requeued job on the same
     node would then be refused its own folder. A fresh folder per attempt (rank 0's token, the same
     on every rank) avoids that; the node's local leader removes the folders of earlier attempts.
     """
-    if all(s.remote is None for s in info.sources):
+    if all(s.cache is None for s in info.sources):
         return [s.local for s in info.sources]
     node = distributed.node_index()
     token = distributed.all_gather_object(secrets.token_hex(4))[0]
     out = []
     for s in info.sources:
-        if s.remote is None:
+        if s.cache is None:
             out.append(s.local)
             continue
-        root = Path(s.local).parent
-        out.append(str(root / f"node{node}-{token}" / Path(s.local).name))
+        root = Path(s.cache).parent
+        out.append(str(root / f"node{node}-{token}" / Path(s.cache).name))
         if distributed.local_rank() == 0:
             for old in root.glob(f"node{node}-*"):
                 if old.name != f"node{node}-{token}":
@@ -190,7 +232,14 @@ def build_loader(
     locals_ = _attempt_caches(info)
     total = sum(weights) if weights else None
     streams = [
-        Stream(remote=s.remote, local=local, proportion=(w / total) if weights else None)
+        Stream(
+            # A cached local folder is streaming's "remote": it copies each .zstd into the cache,
+            # checks it and decompresses it there, and removes the copy.
+            remote=s.remote or (s.local if s.cache else None),
+            local=local,
+            proportion=(w / total) if weights else None,
+            validate_hash=HASH if s.hashed else None,
+        )
         for s, local, w in zip(info.sources, locals_, weights or [None] * len(info.sources))
     ]
     dataset = _streaming_dataset_class()(

@@ -80,6 +80,11 @@ class ModelArgs:
     model_config: Optional[str] = cli.knob(None, "tiny | base | large | path to a BertConfig JSON (from scratch)")
     init_from: Optional[str] = cli.knob(None, "pre-trained Hugging Face BERT folder to start from (TaCL's setting)")
     tokenizer: Optional[str] = cli.knob(None, "HF tokenizer folder (default: DATA/tokenizer)")
+    allow_tokenizer_mismatch: bool = cli.knob(
+        False,
+        "train even when --tokenizer (or --init_from's tokenizer) is not the one the shards were built with; "
+        "the pre-flight error then becomes a warning",
+    )
     mlm_head: str = cli.knob(
         "masked",
         "masked: the vocabulary projection runs on masked rows only; full: on every "
@@ -101,7 +106,9 @@ class DataArgs:
     data_weights: Optional[list[float]] = cli.knob(
         None, "mixing weights, one per --data, e.g. 0.5,0.5", parse=_positive_floats
     )
-    cache_dir: Optional[str] = cli.knob(None, "local cache root for remote shards (per job)", math=False)
+    cache_dir: Optional[str] = cli.knob(
+        None, "local cache root (per job) for remote shards and the decompressed copies of local ones", math=False
+    )
     num_workers: Optional[int] = cli.knob(
         None, "data-loader workers per rank (default: the cores per rank, less one, at most 8)", math=False
     )

@@ -15,9 +15,10 @@ from typing import Any, Optional
 
 from pipeline import distributed
 from pipeline.data.shards import DataInfo, check_objective_against_data, default_cache_root, inspect_data
-from pipeline.training import checkpoint
+from pipeline.training import checkpoint, log
 from pipeline.training.config import TrainConfig, resume_changes
 from pipeline.training.ds_config import load_ds_json, resolve_ds_config
+from pipeline.training.tokenizer_identity import check_tokenizer_identity
 from pipeline.training.wandb_sink import check_available as check_report_to
 from preprocessing.errors import UsageError
 
@@ -53,6 +54,8 @@ def prepare(cfg: TrainConfig) -> Prepared:
     )
     cache_root = cfg.data.cache_dir or default_cache_root(cfg.run.save_dir)
     info = inspect_data(cfg.data.data, cache_root=cache_root, max_seq_len=cfg.data.max_seq_len)
+    if info.verified_bytes:
+        log.info(f"shards verified: {info.verified_bytes / 1e9:.3f} GB hashed (xxh64) in {info.verify_s:.1f} s")
     use_nsp = check_objective_against_data(
         cfg.objective.objective, nsp=cfg.objective.nsp, fmt=info.format, paths=cfg.data.data
     )
@@ -78,12 +81,21 @@ def prepare(cfg: TrainConfig) -> Prepared:
     else:
         source = f"--model_config {cfg.model.model_config}"
         bcfg = bert_config(cfg.model.model_config, vocab_size=len(tokenizer))
+    allow_mismatch = cfg.model.allow_tokenizer_mismatch
     check_vocab(
         model_vocab=bcfg.vocab_size,
         tokenizer_size=len(tokenizer),
         tokenizer_dir=tok_dir,
-        data_vocab=info.manifest_vocab_size,
+        # The shards' size is part of the tokenizer's identity, which the escape hatch lets differ.
+        data_vocab=None if allow_mismatch else info.manifest_vocab_size,
         model_source=source,
+    )
+    check_tokenizer_identity(
+        info,
+        tokenizer_dir=tok_dir,
+        tokenizer_flag=cfg.model.tokenizer,
+        init_from=cfg.model.init_from,
+        allow=allow_mismatch,
     )
     check_positions(max_seq_len=info.max_seq_len, config=bcfg, model_source=source)
     found = checkpoint.latest_checkpoint(cfg.run.save_dir)

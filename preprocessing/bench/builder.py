@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from preprocessing.shard_format import MANIFEST, BuildManifest
+
 _HERE = Path(__file__).resolve().parent
 REPO = _HERE.parents[1]
 CORPORA = {
@@ -117,27 +119,27 @@ def builder(path: Path, *, tok_dir: Path, out: Path, workers: int, lang: str, fm
     wall = time.time() - t
     if proc.returncode:
         raise RuntimeError(f"builder failed: {proc.stderr[-3000:]}")
-    m = json.loads((out / "build_manifest.json").read_text())
+    m = BuildManifest.read(out / MANIFEST)
     parts = [json.loads(p.read_text()) for p in out.glob("part-*/part_stats.json")]
     peak_by_worker: dict = {}
     for p in parts:
         key = f"{p['host']}:{p['pid']}"
         peak_by_worker[key] = max(peak_by_worker.get(key, 0), p["peak_rss_mb"])
     task_s = sum(p["wall_s"] for p in parts)
-    mb = m["counts"]["input_bytes"] / 1e6
+    mb = m.counts.input_bytes / 1e6
     return {
         "workers": workers,
         "command_wall_s": round(wall, 3),
         "command_mb_per_s": round(mb / wall, 3),
-        "manifest_wall_s": m["wall_s"],
-        "manifest_mb_per_s": m["mb_per_s"],
-        "chunks": m["chunks"],
+        "manifest_wall_s": m.wall_s,
+        "manifest_mb_per_s": m.mb_per_s,
+        "chunks": m.chunks,
         # Throughput once the workers run: input over the time the tasks took, per worker.
         "steady_mb_per_s": round(mb / task_s * workers, 3) if task_s else None,
         "fixed_cost_s": round(wall - task_s / workers, 3),
         "peak_rss_mb_per_worker": peak_by_worker,
-        "samples": m["counts"]["samples"],
-        "tokens": m["counts"]["tokens"],
+        "samples": m.counts.samples,
+        "tokens": m.counts.tokens,
     }
 
 

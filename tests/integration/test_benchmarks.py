@@ -61,3 +61,8 @@ def test_builder_benchmark_quick(tmp_path, corpora):
     for lang in report["langs"].values():
         assert lang["b_builder"]["samples"] > 0
         assert all(value is not None for value in lang["ratios"].values())
+
+
+def test_bench_shards_quick(tmp_path):
+    report = _run(["pipeline.bench.shards", "--mb", "8", "--rounds", "1"], tmp_path)
+    assert report["shard_bytes"] > 4e6 and report["hash_gb_per_s"] > 0

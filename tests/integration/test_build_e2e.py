@@ -44,18 +44,14 @@ def part_stats(out):
 def test_packed_round_trip_and_chinese_word_starts(ray_here, corpus, tmp_path):
     out = tmp_path / "packed"
     manifest = build_shards(config(corpus, out))
-    c = manifest["counts"]
-    assert (
-        c["documents_in"]
-        == len(corpus.en) + len(corpus.zh)
-        == c["documents_written"] + sum(c["documents_skipped"].values())
-    )
-    assert manifest["chunks"] > 6 and c["shards"] == manifest["chunks"]
+    c = manifest.counts
+    assert c.documents_in == len(corpus.en) + len(corpus.zh) == c.documents_written + sum(c.documents_skipped.values())
+    assert manifest.chunks > 6 and c.shards == manifest.chunks
     L, sep = 32, corpus.hf.sep_token_id
     docs = iter(corpus.en + corpus.zh)
     stats = part_stats(out)
     by_part = part_samples(out)
-    assert sum(map(len, by_part.values())) == c["samples"] == len(read_samples(out))
+    assert sum(map(len, by_part.values())) == c.samples == len(read_samples(out))
     checked_zh_tokens = 0
     for name, st in stats.items():
         expected = [next(docs) for _ in range(st["counts"]["documents_in"])]
@@ -98,8 +94,8 @@ def test_nsp_pairs_are_real_continuations_when_labelled_so(ray_here, corpus, tmp
     out = tmp_path / "nsp"
     manifest = build_shards(config(corpus, out, format="nsp", max_seq_len=64))
     samples = read_samples(out)
-    c = manifest["counts"]
-    assert c["samples"] == len(samples) and 0.35 < c["nsp_random_next"] / len(samples) < 0.75
+    c = manifest.counts
+    assert c.samples == len(samples) and 0.35 < c.nsp_random_next / len(samples) < 0.75
     docs = [squash("".join(lines)) for lines in corpus.en + corpus.zh]
     cls, sep = corpus.hf.cls_token_id, corpus.hf.sep_token_id
     for s in samples:
@@ -123,11 +119,10 @@ def test_same_samples_with_1_and_3_workers(ray_here, corpus, tmp_path):
         cfg = config(corpus, tmp_path / f"w{n}", format="nsp", max_seq_len=48, num_workers=n, seed=7)
         runs[n] = (build_shards(cfg), shard_hashes(tmp_path / f"w{n}"))
     assert runs[1][1] == runs[3][1] and len(runs[1][1]) > 6
-    assert runs[1][0]["counts"] == runs[3][0]["counts"]
+    assert runs[1][0].counts == runs[3][0].counts
     other = build_shards(config(corpus, tmp_path / "seed8", format="nsp", max_seq_len=48, seed=8))
     assert (
-        shard_hashes(tmp_path / "seed8") != runs[1][1]
-        and other["counts"]["documents_in"] == runs[1][0]["counts"]["documents_in"]
+        shard_hashes(tmp_path / "seed8") != runs[1][1] and other.counts.documents_in == runs[1][0].counts.documents_in
     )
 
 
@@ -153,10 +148,10 @@ def test_bad_input_is_counted_and_logged(ray_here, corpus, tmp_path):
     manifest = build_shards(
         config(corpus, tmp_path / "out", inputs=[f"en:{d}/*"], block_mb=1.0, chunk_mb=1.0, format="nsp", max_seq_len=64)
     )
-    c = manifest["counts"]
-    assert c["documents_skipped"] == {"empty": 2, "malformed_json": 2, "missing_field": 1}
-    assert c["documents_in"] == 5 + 2 + 2 + 6 + 2 == c["documents_written"] + sum(c["documents_skipped"].values())
-    assert c["non_utf8_replacements"] == 2 and c["long_line_pieces"] >= 3 and c["documents_split"] == 1
+    c = manifest.counts
+    assert c.documents_skipped == {"empty": 2, "malformed_json": 2, "missing_field": 1}
+    assert c.documents_in == 5 + 2 + 2 + 6 + 2 == c.documents_written + sum(c.documents_skipped.values())
+    assert c.non_utf8_replacements == 2 and c.long_line_pieces >= 3 and c.documents_split == 1
     rejects = [json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
     where = sorted((Path(r["file"]).name, r["line"], r["reason"]) for r in rejects)
     assert where == [
@@ -262,9 +257,9 @@ def test_killed_build_resumes_to_the_same_output(ray_here, corpus, tmp_path):
     clean = build_shards(
         config(corpus, tmp_path / "clean", inputs=[f"en:{big}"], format="nsp", max_seq_len=48, chunk_mb=0.002)
     )
-    assert finished <= resumed["chunks_resumed"] < resumed["chunks"]
+    assert finished <= resumed.chunks_resumed < resumed.chunks
     assert shard_hashes(out) == shard_hashes(tmp_path / "clean")
-    assert resumed["counts"] == clean["counts"]
+    assert resumed.counts == clean.counts
     assert not list(out.glob(".tmp-*"))
 
 
@@ -298,12 +293,12 @@ def test_remote_upload_to_s3(ray_here, corpus, tmp_path, monkeypatch, port):
         }
         assert {f"shards/{k}" for k in local if not k.endswith(".mds")} <= keys
         assert {"shards/index.json", "shards/build_manifest.json", "shards/tokenizer/tokenizer.json"} <= keys
-        assert sum(k.endswith(".mds.zstd") for k in keys) == manifest["counts"]["shards"]
+        assert sum(k.endswith(".mds.zstd") for k in keys) == manifest.counts.shards
         from streaming import StreamingDataset
 
         ds = StreamingDataset(remote="s3://corpus/shards", local=str(tmp_path / "cache"), batch_size=1, shuffle=False)
         here = read_samples(out)
-        assert len(ds) == len(here) == manifest["counts"]["samples"]
+        assert len(ds) == len(here) == manifest.counts.samples
         for i in range(0, len(here), 7):
             assert ds[i]["input_ids"].tolist() == here[i]["input_ids"].tolist()
     finally:
@@ -335,7 +330,7 @@ def test_every_input_format_gives_the_same_samples(ray_here, corpus, tmp_path):
         m = build_shards(
             config(corpus, tmp_path / name.replace(".", "_"), inputs=[f"en:{d / name}"], chunk_mb=64, text_field="body")
         )
-        assert m["chunks"] == 1 and m["counts"]["documents_in"] == 25
+        assert m.chunks == 1 and m.counts.documents_in == 25
         hashes[name] = [h for _, h, _ in shard_hashes(tmp_path / name.replace(".", "_"))]
     assert all(h == hashes["docs.txt"] for h in hashes.values()), hashes
 
@@ -362,9 +357,9 @@ def test_language_detection_and_trained_tokenizer(ray_here, corpus, tmp_path):
     )
     tok = AutoTokenizer.from_pretrained(out / "tokenizer")
     # a tiny corpus cannot fill 2000 unigram pieces; the manifest reports what was trained
-    assert m["tokenizer"]["kind"] == "unigram" and m["tokenizer"]["vocab_size"] == len(tok) <= 2000
+    assert m.tokenizer.kind == "unigram" and m.tokenizer.vocab_size == len(tok) <= 2000
     assert tok.is_fast and tok.mask_token == "[MASK]"
-    assert m["counts"]["tokens_by_lang"]["en"] > 0 and m["counts"]["tokens_by_lang"]["zh"] > 0
+    assert m.counts.tokens_by_lang["en"] > 0 and m.counts.tokens_by_lang["zh"] > 0
     for s in read_samples(out):
         ids = s["input_ids"].tolist()
         text = tok.decode(ids[1 : ids.index(tok.sep_token_id)])  # segment A: its document's language
@@ -413,8 +408,8 @@ def test_real_corpora_round_trip(ray_here, corpora, tmp_path):
             chunk_mb=64,
         )
     )
-    assert m["counts"]["documents_written"] + sum(m["counts"]["documents_skipped"].values()) == len(en) + len(zh)
-    assert m["peak_rss_mb_per_worker"] < 1500
+    assert m.counts.documents_written + sum(m.counts.documents_skipped.values()) == len(en) + len(zh)
+    assert m.peak_rss_mb_per_worker < 1500
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(out / "tokenizer")

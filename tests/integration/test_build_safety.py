@@ -212,13 +212,13 @@ def test_random_b_never_comes_from_as_document_with_small_chunks(ray_here, corpu
             assert not homes_a & homes_b, (a, b)
             checked += 1
     assert checked > 40, checked
-    counts = runs[1][0]["counts"]
-    assert counts["nsp_blocks_with_donors"] > 20 and counts["nsp_random_next"] > 60
+    counts = runs[1][0].counts
+    assert counts.nsp_blocks_with_donors > 20 and counts.nsp_random_next > 60
 
 
 def test_num_workers_is_capped_at_the_cpus_ray_sees(ray_here, corpus, tmp_path, capsys):
     m = build_shards(config(corpus, tmp_path / "many", num_workers=1000))
-    assert m.get("worker_slots") == 2 and m["workers"] <= 2
+    assert m.worker_slots == 2 and m.workers <= 2
     assert "--num_workers 1000: Ray sees 2 CPUs, so 2 chunk tasks run at a time" in capsys.readouterr().err
 
 

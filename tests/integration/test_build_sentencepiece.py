@@ -16,6 +16,7 @@ import pytest
 import rjieba
 
 from preprocessing.errors import UsageError
+from preprocessing.shard_format import BuildManifest
 from preprocessing.text import clean_text, split_sentences
 from tests.support.builder import SAMPLE_EN, SAMPLE_ZH, read_samples, squash, write_bert_text, write_jsonl
 
@@ -452,7 +453,7 @@ def build(
     max_seq_len: int,
     out_name: str,
     docs: tuple[list[list[str]], list[list[str]]] | None = None,
-) -> tuple[Path, dict, list]:
+) -> tuple[Path, BuildManifest, list]:
     """Shards of English (BERT text) and Chinese (JSONL) documents, by default the sample corpus,
     with a SentencePiece tokenizer the builder trains on them. Returns (OUTPUT, manifest, the
     documents in input order with their languages). Needs an initialised Ray."""
@@ -491,8 +492,8 @@ def test_shard_build_holds_sentencepiece_ids_and_word_starts(ray_here, tmp_path,
 
     out, manifest, docs = build(tmp_path, model_type=model_type, fmt="packed", max_seq_len=64, out_name="packed")
     tok_dir = out / "tokenizer"
-    assert manifest["tokenizer"]["kind"] == "sentencepiece" and manifest["config"]["sp_model_type"] == model_type
-    assert (tok_dir / "spiece.model").is_file() and manifest["chunks"] == 2
+    assert manifest.tokenizer.kind == "sentencepiece" and manifest.config["sp_model_type"] == model_type
+    assert (tok_dir / "spiece.model").is_file() and manifest.chunks == 2
     sp = sp_of(tok_dir)
     raw = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
     raw.encode_special_tokens = True
@@ -545,7 +546,7 @@ def test_trainer_runs_from_sentencepiece_shards(ray_here, tmp_path):
     docs = (corpus(40, seed=1, lang="en"), corpus(40, seed=2, lang="zh"))
     out, manifest, _ = build(tmp_path, model_type="unigram", fmt="packed", max_seq_len=32, out_name="shards", docs=docs)
     tok = AutoTokenizer.from_pretrained(out / "tokenizer")
-    assert manifest["tokenizer"]["vocab_size"] == len(tok) and manifest["counts"]["samples"] > 40
+    assert manifest.tokenizer.vocab_size == len(tok) and manifest.counts.samples > 40
     assert any(len(p) > 1 and all(map(CJK, p)) for p in tok.get_vocab())  # SentencePiece's Chinese words
     ds = write_ds_config(tmp_path / "ds.json", micro=4)
     save = tmp_path / "run"

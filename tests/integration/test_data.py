@@ -211,8 +211,10 @@ def test_collator_refuses_overlong_samples(nsp):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _loader(folder: Path, *, micro: int = 4, workers: int = 0, vocab: int | None = None, nsp: bool = False):
-    info = inspect_data([str(folder)], cache_root=str(folder.parent / "cache"))
+def _loader(
+    folder: Path, *, micro: int = 4, workers: int = 0, vocab: int | None = None, nsp: bool = False, verify: bool = True
+):
+    info = inspect_data([str(folder)], cache_root=str(folder.parent / "cache"), verify_files=verify)
     tok = _tok(folder)
     return build_loader(
         info,
@@ -259,6 +261,36 @@ def test_sample_outside_the_vocabulary_names_its_shard(packed, tmp_path):
         match=r"corrupted shard .*part-0000\d/shard\.\d+\.mds: sample \d+: token id \d+ >= the vocabulary size 10",
     ):
         next(iter(loader))
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_compressed_shard_that_fails_its_hash_is_named_as_streaming_reads_it(packed, tmp_path, workers):
+    # Pre-flight hashes every local file; this is the check behind it, for remote data and for a
+    # file changed after pre-flight: streaming verifies each .zstd as it fetches and decompresses it.
+    d = _copy(packed, tmp_path / "flipped")
+    shard = sorted(d.glob("part-*/shard.*.mds.zstd"))[-1]
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(ShardError, match=rf"corrupted shard {shard}: its xxh64 is \w+, the index says"):
+        inspect_data([str(d)], cache_root=str(tmp_path / "c0"))  # pre-flight says it first...
+    loader = _loader(d, workers=workers, verify=False)
+    with pytest.raises(ShardError, match=rf"corrupted shard {shard}: cannot prepare it \(its xxh64 differs"):
+        for _ in loader:  # ...and streaming, had pre-flight not looked
+            pass
+
+
+def test_compressed_shards_are_decompressed_into_the_cache_not_the_data_folder(packed, tmp_path):
+    d = _copy(packed, tmp_path / "data")
+    before = sorted((str(p.relative_to(d)), p.stat().st_size) for p in d.rglob("*"))
+    loader = _loader(d, workers=1)
+    ids = [i for b in loader for i in b["sample_ids"].tolist()]
+    assert sorted(ids) == list(range(inspect_data([str(d)], cache_root=str(tmp_path)).samples))
+    assert sorted((str(p.relative_to(d)), p.stat().st_size) for p in d.rglob("*")) == before
+    cached = Path(loader.dataset.streams[0].local)
+    assert cached.is_relative_to(tmp_path / "cache") and cached.parent.name.startswith("node0-")
+    assert len(list(cached.glob("part-*/shard.*.mds"))) == len(list(d.glob("part-*/shard.*.mds.zstd")))
+    assert not list(cached.glob("part-*/shard.*.mds.zstd"))  # the copies are dropped once decompressed
 
 
 # ---------------------------------------------------------------------------------------------------

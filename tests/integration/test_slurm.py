@@ -482,7 +482,7 @@ def build_knobs(out: Path, **more: str) -> dict[str, str]:
 def test_build_shards_ray_on_one_node_writes_the_same_shards_as_a_local_build(slurm, shards, tmp_path):
     """The same build command as the `shards` fixture's (tokenizer training included), run by the
     launcher on a Ray cluster it started. Ray head only: two Ray nodes cannot share a host over
-    loopback (see ENVIRONMENT.md)."""
+    loopback."""
     out = tmp_path / "shards_slurm"
     env = job_env(slurm, RAY_LOOPBACK="1", **build_knobs(out, TRAIN_TOKENIZER="wordpiece", VOCAB_SIZE="3000"))
     rc, job, log = sbatch(

@@ -160,6 +160,12 @@ def launch_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def one_rank_env() -> dict[str, str]:
+    """launch_env for `python pipeline/train.py` as a world of one rank, without a launcher (a job that
+    passes pre-flight then really trains)."""
+    return launch_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_PORT=str(free_port()))
+
+
 def write_ds_config(path: Path, *, micro: int = 4, accum: int = 1, bf16: bool = True, **extra) -> Path:
     cfg = json.loads((REPO / "deepspeed_configs" / "zero2.json").read_text())
     cfg["train_micro_batch_size_per_gpu"] = micro

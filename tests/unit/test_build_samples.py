@@ -6,8 +6,9 @@ import random
 import numpy as np
 import pytest
 
-from preprocessing.mds import LocalMDSWriter, columns_for, make_fast_writer_class, merge_local_indexes
+from preprocessing.mds import LocalMDSWriter, make_fast_writer_class, merge_local_indexes
 from preprocessing.samples import Packer, TokenizedDocs, assemble_nsp, nsp_instances
+from preprocessing.shard_format import columns_for
 
 CLS, SEP = 2, 3
 

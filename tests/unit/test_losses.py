@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from pipeline.losses import TACO_POOL_SIZE, gather_bytes_per_call, mlm_loss, nsp_loss, tacl_loss, taco_kernel, taco_loss
 from pipeline.losses import sampling as loss_sampling
+from pipeline.losses.reference import upstream_tacl
 
 # ---------------------------------------------------------------------------------------------------
 # Inputs and loop references
@@ -153,19 +154,6 @@ def test_tacl_matches_loop_reference(dtype, negatives, num_pool):
     assert teacher.grad is None, "the teacher must never get a gradient"
 
 
-def upstream_tacl(student, teacher, contrastive_labels, tau):
-    """TaCL upstream's formula (bert_contrastive.py): a softmax over every position of the sequence."""
-    bsz, seqlen, _ = student.shape
-    s = student / student.norm(dim=2, keepdim=True)
-    t = teacher / teacher.norm(dim=2, keepdim=True)
-    scores = torch.matmul(s, t.transpose(1, 2)) / tau
-    logprobs = F.log_softmax(scores.view(-1, seqlen), dim=-1)
-    gold = torch.arange(seqlen).expand(bsz, seqlen).reshape(-1)
-    loss = -logprobs.gather(dim=-1, index=gold.unsqueeze(1)).squeeze(1)
-    loss = loss.view(bsz, seqlen) * contrastive_labels
-    return loss.sum() / contrastive_labels.sum()
-
-
 def test_tacl_equals_upstream_without_padding_at_tau_001():
     g = torch.Generator().manual_seed(3)
     B, L, D = 3, 16, 32
@@ -179,7 +167,7 @@ def test_tacl_equals_upstream_without_padding_at_tau_001():
     loss, _ = tacl_loss(
         student, teacher_BLD=teacher, masked_BL=masked_BL, attention_mask_BL=attention_BL, temperature=0.01
     )
-    expected = upstream_tacl(student.double(), teacher.double(), masked_BL.double(), 0.01)
+    expected = upstream_tacl(student.double(), teacher.double(), masked_BL.double(), temperature=0.01)
     assert 0.1 < expected.item() < 5
     torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-5)
     # Upstream sums over [PAD] too: with padding, ours must differ from it.
@@ -189,7 +177,9 @@ def test_tacl_equals_upstream_without_padding_at_tau_001():
         student, teacher_BLD=teacher, masked_BL=masked_BL, attention_mask_BL=attention_BL, temperature=0.01
     )
     assert not torch.isclose(
-        padded.double(), upstream_tacl(student.double(), teacher.double(), masked_BL.double(), 0.01), rtol=1e-3
+        padded.double(),
+        upstream_tacl(student.double(), teacher.double(), masked_BL.double(), temperature=0.01),
+        rtol=1e-3,
     )
 
 

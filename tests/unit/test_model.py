@@ -1,6 +1,6 @@
 """The student (masked-only MLM head = HF's full head at those rows; embeddings = hidden_states[0]),
 the TaCL teacher (frozen, eval, no head, engine dtype), --init_from a real checkpoint, the
-vocabulary/length checks, and the FLOPs model against REFERENCE.md's numbers."""
+vocabulary/length checks, and the FLOPs model against docs/objectives.md's numbers."""
 
 from __future__ import annotations
 
@@ -173,7 +173,7 @@ def test_flops_model_matches_reference_for_bert_base():
     fm = FlopsModel(layer_params=layers, head_params=head, n_layers=12, hidden=768, vocab=30522, teacher=False)
     full = fm.batch_flops(tokens=L * B, sum_len_sq=B * L * L, masked=L * B) / (L * B)
     masked = fm.batch_flops(tokens=L * B, sum_len_sq=B * L * L, masked=round(0.15 * L)) / (L * B)
-    # REFERENCE.md: ~6.6e8 per token with the full head, ~5.5e8 with the masked-only head.
+    # docs/objectives.md: ~5.5e8 per token with the masked-only head (~6.6e8 with the full head).
     assert 6.4e8 < full < 6.8e8, full
     assert 5.3e8 < masked < 5.7e8, masked
     tacl = FlopsModel(layer_params=layers, head_params=head, n_layers=12, hidden=768, vocab=30522, teacher=True)

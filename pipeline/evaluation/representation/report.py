@@ -7,7 +7,6 @@ numbers together. Shape legend: B sequences, L tokens, D hidden size, N tokens.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import time
@@ -33,6 +32,7 @@ from pipeline.evaluation.representation.inputs import (
     structural_special_ids,
 )
 from preprocessing.errors import UsageError
+from preprocessing.shard_format import vocabulary_of
 
 
 def _model_arg(text: str) -> tuple[str, Path]:
@@ -107,9 +107,8 @@ def load_encoder(path: Path, *, tokenizer_dir: Optional[Path] = None):
 
 
 def vocab_fingerprint(tokenizer) -> str:
-    """Same string <=> same token -> id mapping."""
-    items = sorted(tokenizer.get_vocab().items())
-    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()[:16]
+    """Same string <=> same vocabulary (ids, specials, normalisation): preprocessing.shard_format's."""
+    return vocabulary_of(tokenizer).fingerprint
 
 
 class AnalysisData:
