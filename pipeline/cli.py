@@ -205,10 +205,20 @@ def math_changes(saved: Mapping[str, Any], now: Mapping[str, Any], sections: Map
         for f in knob_fields(cls):
             if not f.metadata["math"]:
                 continue
-            before, after = saved.get(key, {}).get(f.name, _NOT_SET), now.get(key, {}).get(f.name, _NOT_SET)
+            # A knob newer than the saved run: it ran with what is now the knob's default.
+            before = saved.get(key, {}).get(f.name, _default(f))
+            after = now.get(key, {}).get(f.name, _NOT_SET)
             if _normal(before) != _normal(after):
                 changed[f"{key}.{f.name}"] = (before, after)
     return changed
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not _NOT_SET:
+        return f.default
+    if f.default_factory is not _NOT_SET:
+        return f.default_factory()
+    return _NOT_SET
 
 
 def operational_changes(

@@ -165,6 +165,17 @@ def test_resume_refuses_math_changes_and_records_the_others(tmp_path):
         check_resume(saved_cfg, ds=ds, world_size=4, checkpoint_dir=ckpt)
 
 
+def test_a_run_saved_before_a_knob_existed_resumes_at_its_default(tmp_path):
+    saved = C.parse_args(BASE).to_dict()
+    del saved["model"]["allow_tokenizer_mismatch"]  # a knob this run's version did not have yet
+    ckpt = tmp_path / "step_00000010"
+    ckpt.mkdir()
+    (ckpt / "run_config.json").write_text(json.dumps({**saved, "engine": {"world_size": 2}}))
+    assert check_resume(C.parse_args(BASE), ds={}, world_size=2, checkpoint_dir=ckpt) == []
+    with pytest.raises(UsageError, match=r"model.allow_tokenizer_mismatch: saved False, now True"):
+        check_resume(C.parse_args(BASE + ["--allow_tokenizer_mismatch"]), ds={}, world_size=2, checkpoint_dir=ckpt)
+
+
 def test_math_flags_cover_every_section():
     """Every knob says whether it changes the math; the operational ones are the few the resume rule allows."""
     operational = {
