@@ -2,6 +2,8 @@
 
 import os
 import socket
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -40,3 +42,25 @@ def corpora() -> Path:
     if not SHARED_CORPORA.is_dir():
         pytest.skip(f"needs real text in {SHARED_CORPORA} (absent on a fresh clone)")
     return SHARED_CORPORA
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    session.config._tokencl_exitstatus = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config) -> None:
+    # A test that failed mid-epoch can leave streaming's worker threads polling forever, and the
+    # interpreter joins every non-daemon thread at exit: the run would hang after its summary (CI
+    # killed on time with every result already printed). Name them and exit with pytest's status.
+    leaked = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if leaked:
+        names = ", ".join(sorted({t.name for t in leaked}))
+        print(
+            f"\nconftest: {len(leaked)} non-daemon thread(s) still running after the session ({names}); "
+            "exiting without joining them",
+            file=sys.stderr,
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(getattr(config, "_tokencl_exitstatus", 1))

@@ -67,6 +67,22 @@ def _streaming_dataset_class():
                 return
             super().on_exception(future)
 
+        # streaming's epoch exit waits until both background threads report that they have
+        # exited, which a thread that raised never does: a bad shard would hang the rank for good.
+        def _prepare_thread(self, it) -> None:
+            try:
+                super()._prepare_thread(it)
+            except BaseException:
+                it.on_exit()
+                raise
+
+        def _ready_thread(self, it) -> None:
+            try:
+                super()._ready_thread(it)
+            except BaseException:
+                it.on_exit()
+                raise
+
         def __iter__(self):
             yield from super().__iter__()
             if self._failure is not None:

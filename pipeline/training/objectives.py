@@ -89,5 +89,13 @@ def compute_losses(
         )
         total = total + o.taco_lambda * tc
         values.update(tc_loss=m["loss"], tc_acc=m["acc"])
-    values["loss"] = total.detach().float()
+    # The logged total is the sum of the logged terms. `total` itself is this rank's share of each
+    # global mean (what back-propagates), not a value of its own: on a step where another rank skips
+    # a micro-batch, averaging the shares would not give the sum of the terms.
+    values["loss"] = (
+        values["mlm_loss"]
+        + values.get("nsp_loss", 0.0)
+        + values.get("tacl_loss", 0.0)
+        + o.taco_lambda * values.get("tc_loss", 0.0)
+    ).float()
     return StepLosses(total=total, values=values)

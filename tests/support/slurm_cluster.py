@@ -238,7 +238,8 @@ JobCompType=jobcomp/none
 # Fake nodes claim the CPUs, memory and GPUs configured below, not what slurmd detects.
 SlurmdParameters=config_overrides
 ReturnToService=2
-MinJobAge=30
+# sbatch --wait polls at growing intervals (up to 32 s): a record purged sooner reads as exit 0.
+MinJobAge=600
 KillWait=10
 StateSaveLocation={r}/state
 SlurmdSpoolDir={r}/spool/%n
