@@ -7,19 +7,29 @@ pipeline.export needs nothing else) and `complete.json`, written last. `run_conf
 configuration at that step (what a resume is checked against). RUN/checkpoints/latest names the newest
 complete tag. A checkpoint without `complete.json` never counts: `latest` moves, and old checkpoints are
 pruned, only after every rank has finished writing.
+
+Loading never runs code. DeepSpeed unpickles its files with `torch.load(weights_only=False)`, so a
+crafted `.pt` could run anything it names. Every load of ours, DeepSpeed's included, happens inside
+`weights_only_loads()`: torch's weights-only unpickler (forced through TORCH_FORCE_WEIGHTS_ONLY_LOAD,
+which overrides DeepSpeed's explicit False) with an allow-list of the few DeepSpeed types a checkpoint
+of ours holds. `verify_loadable` opens every file that way first, so a refusal names the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pickle
 import re
 import shutil
-from collections.abc import Callable
+import zipfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
 from pipeline import distributed
+from pipeline.training import log
 from preprocessing.errors import UsageError
 
 CHECKPOINTS = "checkpoints"
@@ -123,14 +133,111 @@ def _prune(root: Path, *, keep: int, newest: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+_FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+_GLOBAL_RE = re.compile(r"GLOBAL (\S+)")
+
+
+class CheckpointRefused(UsageError):
+    """A checkpoint file holds a type that no checkpoint of ours holds: loading it could run code."""
+
+
+class CheckpointUnreadable(UsageError):
+    """A checkpoint file cannot be read at all (truncated, not a torch file)."""
+
+
+def _allowed_types() -> list[Any]:
+    # The only non-tensor, non-builtin types DeepSpeed's ZeRO-2 files hold (its optimizer state:
+    # the loss scaler, the ZeRO stage, parameter fragment addresses); plain data classes. Our own
+    # client state is builtins and tensors only (pipeline.training.state keeps numpy out of it).
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextlib.contextmanager
+def weights_only_loads() -> Iterator[None]:
+    """Every torch.load inside unpickles tensors, builtins and `_allowed_types` only, whatever its
+    caller passes (DeepSpeed passes weights_only=False)."""
+    import torch
+
+    before = os.environ.get(_FORCE_WEIGHTS_ONLY)
+    os.environ[_FORCE_WEIGHTS_ONLY] = "1"
+    try:
+        with torch.serialization.safe_globals(_allowed_types()):
+            yield
+    finally:
+        if before is None:
+            os.environ.pop(_FORCE_WEIGHTS_ONLY, None)
+        else:
+            os.environ[_FORCE_WEIGHTS_ONLY] = before
+
+
+def verify_loadable(path: Path) -> None:
+    """Open every .pt file of checkpoint folder `path` weights-only (tensors memory-mapped, not read)
+    before anything else unpickles it. Raises CheckpointRefused naming the file and the type it would
+    have loaded, or CheckpointUnreadable for a truncated or foreign file."""
+    import torch
+
+    for f in sorted(path.glob("*.pt")):
+        try:
+            with weights_only_loads():
+                torch.load(f, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(f))
+        except pickle.UnpicklingError as e:
+            m = _GLOBAL_RE.search(str(e))
+            if m is None:  # not a refused type: a file that is not a pickle at all
+                raise CheckpointUnreadable(f"checkpoint file {f} is unreadable ({_first_line(e)})") from e
+            what = m.group(1)
+            raise CheckpointRefused(
+                f"checkpoint file {f} holds {what}, which no checkpoint written by this pipeline holds: "
+                f"refusing to load it (unpickling it could run code). Load only checkpoints you trust, "
+                f"written by pipeline/train.py"
+            ) from None
+        except (RuntimeError, OSError, EOFError, ValueError) as e:
+            raise CheckpointUnreadable(f"checkpoint file {f} is unreadable ({_first_line(e)})") from e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else type(e).__name__
+    # torch's messages run on for sentences; the first one says what happened.
+    return line.split(". ")[0][:200]
+
+
+def loadable_checkpoint(save_dir: str | Path) -> Optional[tuple[int, Path]]:
+    """What `--resume auto` continues from: the checkpoint `latest_checkpoint` picks, or, when one of
+    its files is unreadable (a truncated write that still got its marker, a disk error), the newest
+    older complete checkpoint that reads, with a warning. A refused (crafted) file is never skipped."""
+    found = latest_checkpoint(save_dir)
+    if found is None:
+        return None
+    candidates = [c for c in reversed(list_checkpoints(save_dir)) if c[0] <= found[0]]
+    error: Optional[CheckpointUnreadable] = None
+    for step, path in candidates:
+        try:
+            verify_loadable(path)
+        except CheckpointUnreadable as e:
+            log.warning(f"{e}; trying the previous complete checkpoint")
+            error = error or e
+            continue
+        if error is not None:
+            log.warning(f"resuming from {path.name} instead (step {step})")
+        return step, path
+    assert error is not None
+    raise CheckpointUnreadable(f"{error}; no older complete checkpoint reads either: start a new --save_dir")
+
+
 def load(engine: Any, path: Path) -> dict[str, Any]:
     """Load a complete checkpoint into the engine (weights, optimizer, scheduler) on every rank;
-    returns the client state."""
+    returns the client state. Weights-only, files verified first."""
     if not is_complete(path):
         raise UsageError(f"checkpoint {path} is incomplete (no {MARKER}); it cannot be resumed")
-    loaded, client_state = engine.load_checkpoint(
-        str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
+    verify_loadable(path)
+    with weights_only_loads():
+        loaded, client_state = engine.load_checkpoint(
+            str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
     if loaded is None:
         raise UsageError(f"DeepSpeed could not load checkpoint {path}")
     return client_state

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pipeline.training.checkpoint import HF_SUBDIR, MARKER, is_complete
+from pipeline.training.checkpoint import HF_SUBDIR, MARKER, is_complete, verify_loadable, weights_only_loads
 from preprocessing.errors import UsageError
 
 # Exported weights cast to the engine's dtype must reproduce its logits to within this many steps of
@@ -37,7 +37,8 @@ def load_student(checkpoint_dir: str | Path):
     if not is_complete(ckpt):
         raise UsageError(f"--checkpoint {ckpt}: incomplete (no {MARKER}); the save did not finish")
     # zero_to_fp32 prints a line per parameter group; keep the user's terminal readable.
-    with contextlib.redirect_stdout(io.StringIO()):
+    verify_loadable(ckpt)
+    with weights_only_loads(), contextlib.redirect_stdout(io.StringIO()):
         state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
     if not all(k.startswith(STATE_PREFIX) for k in state):
         raise UsageError(f"--checkpoint {ckpt}: not a pipeline.train checkpoint (unexpected keys)")

@@ -104,7 +104,8 @@ def prepare(cfg: TrainConfig) -> Prepared:
             f"--save_dir {cfg.run.save_dir} already holds checkpoint {found[1].name}: pass --resume auto "
             f"to continue it, or choose a new --save_dir"
         )
-    resume_from = found if cfg.run.resume == "auto" else None
+    # A checkpoint file is opened weights-only before anything unpickles it (a crafted one is refused).
+    resume_from = checkpoint.loadable_checkpoint(cfg.run.save_dir) if found and cfg.run.resume == "auto" else None
     notes = check_resume(cfg, ds=ds, world_size=world, checkpoint_dir=resume_from[1]) if resume_from else []
     return Prepared(
         cfg=cfg,

@@ -21,7 +21,10 @@ if TYPE_CHECKING:
 
 
 def rng_states() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    # Builtins and tensors only: a checkpoint must load weights-only (pipeline.training.checkpoint).
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = (name, keys.tolist(), int(pos), int(has_gauss), float(cached))
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -29,7 +32,8 @@ def rng_states() -> dict[str, Any]:
 
 def set_rng_states(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
