@@ -41,6 +41,9 @@ def _streaming_dataset_class():
             self.vocab_size = vocab_size
             self._epoch = 0
             self._failure: Optional[ShardError] = None
+            if not self.cache_limit:  # evicting a mapped file would not free its space
+                for shard in self.shards:
+                    _map_reads(shard)
 
         def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
             try:
@@ -127,6 +130,72 @@ def _streaming_dataset_class():
             return sample
 
     return IdStreamingDataset
+
+
+class _MappedReads:
+    """Sample reads of one MDS shard from a memory map of its raw file, decoded by streaming's own
+    coders built once per column. streaming opens, seeks and reads the file for every sample and
+    parses every column's encoding string again: most of a worker's time at L = 128
+    (pipeline.bench.loader). The map is made lazily in each process (workers are forked) and the
+    file's absence is still a FileNotFoundError, which is how streaming learns to fetch a shard."""
+
+    def __init__(self, shard: Any) -> None:
+        from streaming.base.format.mds.encodings import mds_decode
+
+        self.shard = shard
+        self._pid = -1
+        self._map: Any = None
+        try:
+            from streaming.base.format.mds.encodings import _get_coder
+
+            coders = [_get_coder(e) for e in shard.column_encodings]
+            self._decoders = [c.decode for c in coders]
+        except (ImportError, AttributeError):  # another streaming: its public decoder, per call
+            self._decoders = [lambda b, e=e: mds_decode(e, b) for e in shard.column_encodings]
+        self._columns = list(zip(shard.column_names, shard.column_sizes, self._decoders))
+
+    def _mapped(self):
+        if self._pid != os.getpid():
+            import mmap
+
+            path = os.path.join(self.shard.dirname, self.shard.split, self.shard.raw_data.basename)
+            with open(path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._pid = os.getpid()
+        return self._map
+
+    def get_sample_data(self, idx: int) -> bytes:
+        import numpy as np
+
+        mm = self._mapped()
+        begin, end = np.frombuffer(mm, np.uint32, count=2, offset=(1 + idx) * 4)
+        if end <= begin or end > len(mm):
+            raise IndexError(f"relative sample index {idx} is not in {self.shard.raw_data.basename}")
+        return mm[begin:end]
+
+    def decode_sample(self, data: bytes) -> dict[str, Any]:
+        import numpy as np
+
+        sizes, at = [], 0
+        for _, size, _ in self._columns:
+            if size is None:
+                size = int(np.frombuffer(data, np.uint32, count=1, offset=at)[0])
+                at += 4
+            sizes.append(size)
+        sample = {}
+        for (name, _, decode), size in zip(self._columns, sizes):
+            sample[name] = decode(data[at : at + size])
+            at += size
+        return sample
+
+
+def _map_reads(shard: Any) -> None:
+    from streaming.base.format.mds.reader import MDSReader
+
+    if isinstance(shard, MDSReader):
+        reads = _MappedReads(shard)
+        shard.get_sample_data = reads.get_sample_data
+        shard.decode_sample = reads.decode_sample
 
 
 def _worker_init(_: int) -> None:

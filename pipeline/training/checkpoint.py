@@ -107,11 +107,27 @@ def save(
         root.mkdir(parents=True, exist_ok=True)
         if path.exists():  # left by a save that died (never complete: saves happen once per step)
             shutil.rmtree(path)
-    distributed.barrier()
-    engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
-    if distributed.is_main():
-        write_extras(path / HF_SUBDIR)
-        _write_atomic(path / RUN_CONFIG, json.dumps(run_config, indent=2, default=str) + "\n")
+    # Every rank decides together: one that stopped here alone would leave the others in a collective.
+    # (The gather is also the barrier after rank 0's clean-up above.)
+    short = space_shortfall(root, need_bytes=previous_size(save_dir))
+    if any(r[0] for r in distributed.all_gather_ints([1 if short else 0])):
+        raise CheckpointSpaceError(
+            f"not enough space to save checkpoint {path}: {short or 'a rank found its disk short'}; "
+            f"{_kept(save_dir)}: free space (or lower --keep_checkpoints) and resume with --resume auto"
+        )
+    try:
+        engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+        if distributed.is_main():
+            write_extras(path / HF_SUBDIR)
+            _write_atomic(path / RUN_CONFIG, json.dumps(run_config, indent=2, default=str) + "\n")
+    except (OSError, RuntimeError) as e:
+        if not is_out_of_space(e):
+            raise
+        where = f" ({e.filename})" if isinstance(e, OSError) and e.filename else ""
+        raise CheckpointSpaceError(
+            f"no space left on the device (ENOSPC) while writing checkpoint {path}{where}; it stays "
+            f"incomplete and is never used; {_kept(save_dir)}: free space and resume with --resume auto"
+        ) from e
     # Every rank's optimizer shard is on disk before the checkpoint is declared complete.
     distributed.barrier()
     if distributed.is_main():
@@ -120,6 +136,44 @@ def save(
         _prune(root, keep=keep, newest=step)
     distributed.barrier()
     return path
+
+
+class CheckpointSpaceError(UsageError):
+    """The disk cannot hold the next checkpoint (checked before writing, or ENOSPC while writing)."""
+
+
+def previous_size(save_dir: str | Path) -> int:
+    """Bytes of the newest complete checkpoint: what the next one needs (0 before the first)."""
+    found = latest_checkpoint(save_dir)
+    if found is None:
+        return 0
+    return sum(f.stat().st_size for f in found[1].rglob("*") if f.is_file())
+
+
+def space_shortfall(folder: Path, *, need_bytes: int) -> str:
+    """'' when the file system of `folder` has `need_bytes` free, else what is short, in words."""
+    while not folder.exists() and folder != folder.parent:  # not created yet (on another node's rank 0)
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if free >= need_bytes:
+        return ""
+    return f"it needs about {need_bytes / 1e9:.3f} GB (the size of the last one), {free / 1e9:.3f} GB are free there"
+
+
+def is_out_of_space(e: BaseException) -> bool:
+    """ENOSPC / EDQUOT, as an OSError or as the RuntimeError torch.save turns it into."""
+    import errno
+
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    # torch.save's writer reports a short write as "unexpected pos" (or "file write failed").
+    text = str(e)
+    return any(m in text for m in ("No space left on device", "file write failed", "unexpected pos"))
+
+
+def _kept(save_dir: str | Path) -> str:
+    found = latest_checkpoint(save_dir)
+    return f"the last complete checkpoint, {found[1]}, is kept" if found else "no checkpoint was saved before"
 
 
 def _prune(root: Path, *, keep: int, newest: int) -> None:

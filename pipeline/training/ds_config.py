@@ -8,8 +8,9 @@ once. A JSON that sets one of those too would set it twice, and is refused.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from preprocessing.errors import UsageError
 
@@ -85,7 +86,29 @@ def resolve_ds_config(ds: dict[str, Any], *, schedule: ScheduleArgs, world_size:
                     f"--lr/--warmup_steps/--max_steps; remove it from the JSON"
                 )
         params["warmup_max_lr"] = schedule.lr
-        # DeepSpeed needs >= 1 warm-up step; one step at min lr is what 0 would mean anyway.
-        params["warmup_num_steps"] = max(1, schedule.warmup_steps)
+        params["warmup_num_steps"] = schedule.warmup_steps
         params["total_num_steps"] = schedule.max_steps
     return ds
+
+
+def client_scheduler(ds: dict[str, Any], *, schedule: ScheduleArgs) -> tuple[dict[str, Any], Optional[Callable]]:
+    """(the config DeepSpeed is given, a scheduler factory for deepspeed.initialize or None).
+
+    DeepSpeed's WarmupLR / WarmupDecayLR warm up for at least 2 steps from warmup_min_lr (0 by
+    default), so --warmup_steps 0 would still train its first steps at lr 0. For 0 the same shapes
+    without the warm-up replace them: constant, or linear from --lr at the first step to 0 at
+    --max_steps. Any other warm-up is DeepSpeed's own."""
+    sched = ds.get("scheduler")
+    if schedule.warmup_steps != 0 or not sched or sched.get("type") not in ("WarmupLR", "WarmupDecayLR"):
+        return ds, None
+    total, decay = schedule.max_steps, sched["type"] == "WarmupDecayLR"
+
+    def factor(step: int) -> float:
+        return max(0.0, (total - step) / total) if decay else 1.0
+
+    def build(optimizer):
+        import torch
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+    return {k: v for k, v in ds.items() if k != "scheduler"}, build

@@ -9,6 +9,7 @@ flag, file or value.
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -48,6 +49,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
     from pipeline.modeling.student import check_init_from
 
     check_report_to(cfg.run.report_to)
+    check_save_dir(cfg.run.save_dir)
     world = distributed.launch_world_size()
     ds = resolve_ds_config(
         load_ds_json(cfg.run.ds_config), schedule=cfg.schedule, world_size=world, path=cfg.run.ds_config
@@ -119,6 +121,25 @@ def prepare(cfg: TrainConfig) -> Prepared:
         resume_from=resume_from,
         resume_notes=notes,
     )
+
+
+def check_save_dir(save_dir: str) -> None:
+    """--save_dir must be a folder this process can write (or create): found now, not at the first
+    checkpoint an hour in. A probe file is created and removed."""
+    path = Path(save_dir)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == path else f"is under {existing}, which is a file"
+        raise UsageError(f"--save_dir {save_dir} {what}; pass a folder")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".tokencl-probe-"):
+            pass
+    except OSError as e:
+        raise UsageError(
+            f"--save_dir {save_dir}: cannot write in {existing} ({e.strerror}); pass a writable folder"
+        ) from None
 
 
 def check_resume(cfg: TrainConfig, *, ds: dict[str, Any], world_size: int, checkpoint_dir: Path) -> list[str]:

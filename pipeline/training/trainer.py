@@ -42,6 +42,7 @@ from pipeline.data.shards import run_key
 from pipeline.modeling.encoder import Encoder
 from pipeline.training import checkpoint, log, state
 from pipeline.training.config import RECORD_KEYS
+from pipeline.training.ds_config import client_scheduler
 from pipeline.training.metrics import FlopsModel, Meter, MetricsWriter, device_peak_flops, memory_gb, progress_bar
 from pipeline.training.nonfinite import NonfiniteGuard
 from pipeline.training.objectives import StepLosses, compute_losses, metric_keys
@@ -169,7 +170,10 @@ def setup(prep: Prepared, *, batches: Optional[Any] = None) -> Run:
         if cfg.objective.objective == "tacl"
         else None
     )
-    engine, _, _, _ = deepspeed.initialize(model=student, model_parameters=param_groups(student), config=prep.ds_config)
+    ds, lr_scheduler = client_scheduler(prep.ds_config, schedule=cfg.schedule)
+    engine, _, _, _ = deepspeed.initialize(
+        model=student, model_parameters=param_groups(student), config=ds, lr_scheduler=lr_scheduler
+    )
     # Batch and precision as the engine resolved them (the JSON is their only owner).
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     dtype, device = engine_dtype(engine), engine.device

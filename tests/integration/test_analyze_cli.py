@@ -111,6 +111,29 @@ def test_analyze_on_mds_shards(tmp_path):
     other = write_tiny_bert(tmp_path / "other", WORDS[::-1])
     r = run_analyze("--model", str(other), "--data", str(tmp_path / "shards"), "--out", str(out))
     assert r.returncode == 2 and "another vocabulary" in r.stderr
+    assert stats.notes == []
+    # Packed shards have no sentence boundaries inside a document piece: the report says what that does.
+    packed = {k: v for k, v in columns.items() if k != "nsp_label"}
+    with MDSWriter(out=str(tmp_path / "packed"), columns=packed) as w:
+        for _ in range(4):
+            ids = [cls, *a, *b, sep]
+            w.write(
+                {
+                    "input_ids": np.array(ids, np.uint16),
+                    "token_type_ids": np.zeros(len(ids), np.uint8),
+                    "word_starts": np.ones(len(ids), np.uint8),
+                    "lang": "en",
+                }
+            )
+    tok.save_pretrained(tmp_path / "packed" / "tokenizer")
+    _, stats = read_mds_sequences(tmp_path / "packed", special_ids={0, 2, 3, 4}, max_sequences=4)
+    assert len(stats.notes) == 1 and "intra-sentence is (nearly) intra-context" in stats.notes[0]
+    r = run_analyze("--model", str(model), "--data", str(tmp_path / "packed"), "--out", str(tmp_path / "rp"))
+    assert r.returncode == 0, r.stderr
+    assert (
+        "Note: packed shards: a sample is a stretch of one or more documents"
+        in (tmp_path / "rp" / "README.md").read_text()
+    )
 
 
 def test_analyze_cli_rejects_bad_input(tmp_path):

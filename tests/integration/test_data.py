@@ -239,6 +239,24 @@ def test_loader_yields_every_sample_once_per_epoch(packed):
     assert sorted(second) == list(range(n)) and second != ids  # a new shuffle each epoch
 
 
+@pytest.mark.parametrize("fmt", ["packed", "nsp"])
+def test_mapped_reads_decode_every_sample_as_streaming_does(shards, fmt, tmp_path):
+    """The loader reads samples from a memory map with coders built once (pipeline.data.loader):
+    every column of every sample equals what streaming's own reader decodes."""
+    from streaming import StreamingDataset
+
+    folder = shards["packed32" if fmt == "packed" else "nsp48"]
+    ours = _loader(folder, nsp=fmt == "nsp").dataset
+    # streaming decompresses into its local folder: a copy, not the session's shards.
+    theirs = StreamingDataset(local=str(_copy(folder, tmp_path / "plain")), shuffle=False, batch_size=1)
+    assert all("get_sample_data" in vars(s) for s in ours.shards)  # the mapped path, not streaming's
+    for i in range(len(theirs)):
+        a, b = ours.get_item(i), theirs.get_item(i)
+        assert set(a) - {"sample_id", "epoch"} == set(b)
+        for k, v in b.items():
+            assert np.array_equal(a[k], v) if isinstance(v, np.ndarray) else a[k] == v, (i, k)
+
+
 def test_loader_state_resumes_mid_epoch(packed):
     loader = _loader(packed)
     full = [b["sample_ids"].tolist() for b in loader]

@@ -105,8 +105,7 @@ def test_objective_trains_and_logs_every_field(objective, tmp_path_factory, shar
     first = sum(r["loss"] for r in rows[:4]) / 4
     last = sum(r["loss"] for r in rows[-10:]) / 10
     assert last < 0.93 * first, f"{objective}: loss {first:.3f} -> {last:.3f}"
-    acc_first = sum(r["mlm_acc"] for r in rows[:4]) / 4
-    assert sum(r["mlm_acc"] for r in rows[-10:]) / 10 > acc_first + 0.05
+    assert sum(r["mlm_acc"] for r in rows[-10:]) / 10 > rows[0]["mlm_acc"] + 0.05
     assert any((save / "tensorboard").glob("events.out.tfevents.*"))
     config = json.loads((save / "config.json").read_text())
     assert config["objective"]["objective"] == objective

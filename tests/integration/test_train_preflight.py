@@ -202,3 +202,15 @@ def test_paper_defaults_per_objective(shards, ds, tmp_path):
         parse_args([*common, "--objective", "mlm", "--max_steps", "10", "--data_weights", "0.5,0.5"])
     with pytest.raises(SystemExit):  # --model_config and --init_from together
         parse_args([*common, "--objective", "mlm", "--max_steps", "10", "--init_from", "x"])
+
+
+def test_a_save_dir_that_cannot_hold_a_run_is_refused_up_front(shards, ds, tmp_path):
+    file = tmp_path / "a_file"
+    file.write_text("")
+    with pytest.raises(ValueError, match=rf"--save_dir {file} is a file; pass a folder"):
+        prepare(parse_args(args(ds, shards["packed32"], file)))
+    with pytest.raises(ValueError, match=rf"--save_dir {file / 'run'} is under {file}, which is a file"):
+        prepare(parse_args(args(ds, shards["packed32"], file / "run")))
+    # Read-only storage (procfs refuses every new file, root included).
+    with pytest.raises(ValueError, match=r"--save_dir /proc/tokencl_run: cannot write in /proc \("):
+        prepare(parse_args(args(ds, shards["packed32"], Path("/proc/tokencl_run"))))

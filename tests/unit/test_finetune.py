@@ -362,3 +362,24 @@ def test_finetune_cli_word_segmentation_writes_tables(tmp_path, tiny_model):
         timeout=120,
     )
     assert bad.returncode == 2 and "unknown task 'squad'" in bad.stderr
+
+
+def test_skipped_dev_rows_warn_and_fail_past_the_share(tmp_path, capsys):
+    """The probe: a dev file whose 19 of 21 rows have a label outside the task's (here: a 3-way file
+    given as SST-2) scored on the other 2 with no word. Now it fails naming the file and the flag."""
+    from pipeline.evaluation.downstream.finetuning import check_skipped
+    from pipeline.evaluation.downstream.tasks import GLUE_TASKS, read_glue_split
+    from preprocessing.errors import UsageError
+
+    dev = tmp_path / "dev.tsv"
+    write(dev, ["sentence\tlabel", "good\t1", "bad\t0"] + [f"meh {i}\t2" for i in range(19)])
+    ex = read_glue_split(GLUE_TASKS["sst2"], dev)
+    assert len(ex) == 2 and ex.skipped == {"unknown_label": 19}
+    with pytest.raises(
+        UsageError, match=rf"{dev}: 19 of 21 rows skipped \(19 unknown label\).*--max_skipped_share 0.01"
+    ):
+        check_skipped(ex, max_share=0.01)
+    check_skipped(ex, max_share=0.95)  # allowed, and said
+    assert (
+        f"warning: {dev}: 19 of 21 rows skipped (19 unknown label); scores use the other 2" in capsys.readouterr().err
+    )

@@ -15,6 +15,7 @@ import json
 import math
 import random
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -68,6 +69,9 @@ class FinetuneConfig:
     max_eval_samples: Optional[int] = knob(None, "use only the first N examples of each eval split")
     device: str = knob("auto", "auto (cuda when available), cpu, cuda, ...")
     bf16: bool = knob(False, "bf16 autocast (GPU)")
+    max_skipped_share: float = knob(
+        0.01, "fail when a split skips more than this share of its rows (too few columns, unknown labels)"
+    )
 
     def validate(self) -> None:
         for flag in ("epochs", "lr", "batch_size", "eval_batch_size", "max_seq_len"):
@@ -167,12 +171,31 @@ def encode_tagging(
     return EncodedSplit(features, labels, data.tags[:n], word_index=word_index, counts=counts)
 
 
+def check_skipped(ex: Examples, *, max_share: float) -> None:
+    """Say on stderr how many rows of a split were skipped and why; past `max_share` of its rows a
+    score would describe another dataset: a UsageError naming the file and the flag."""
+    skipped = sum(ex.skipped.values())
+    if not skipped:
+        return
+    total = skipped + len(ex)
+    why = ", ".join(f"{n} {reason.replace('_', ' ')}" for reason, n in sorted(ex.skipped.items()))
+    line = f"{ex.path}: {skipped} of {total} rows skipped ({why}); scores use the other {len(ex)}"
+    if skipped / total > max_share:
+        raise UsageError(
+            f"{line}: more than --max_skipped_share {max_share:g} of the split; fix the file (is it the "
+            f"task's own TSV?) or raise --max_skipped_share"
+        )
+    print(f"warning: {line}", file=sys.stderr)
+
+
 def prepare_task(name: str, *, folder: Path, tokenizer, cfg: FinetuneConfig) -> PreparedTask:
     """Read and tokenise one task: a GLUE name (cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli) or
     ner / cws (CoNLL files)."""
     if name in GLUE_TASKS:
         task: GlueTask = GLUE_TASKS[name]
         train, evals = read_glue_task(task, folder)
+        for split in (train, *evals.values()):
+            check_skipped(split, max_share=cfg.max_skipped_share)
         enc = lambda ex, cap: encode_pairs(ex, tokenizer=tokenizer, max_seq_len=cfg.max_seq_len, limit=cap)
         return PreparedTask(
             name=name,

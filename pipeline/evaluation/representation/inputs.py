@@ -27,6 +27,7 @@ import torch
 
 from pipeline.data.padding import pad_right
 from preprocessing.errors import UsageError
+from preprocessing.shard_format import format_of
 
 
 @dataclass
@@ -49,6 +50,7 @@ class SourceStats:
     tokens: int = 0
     unk_tokens: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what a reader of the numbers must know
 
     def skip(self, reason: str, n: int = 1) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + n
@@ -121,6 +123,12 @@ def read_mds_sequences(
     out: list[AnalysisSequence] = []
     for i in range(min(len(ds), max_sequences)):
         sample = ds[i]
+        if i == 0 and format_of(list(sample)) == "packed":
+            stats.notes.append(
+                "packed shards: a sample is a stretch of one or more documents with no sentence boundaries "
+                "inside them, so a 'sentence' is a whole document piece and intra-sentence is (nearly) "
+                "intra-context here; analyse nsp shards or a text file for TaCL's intra-sentence similarity"
+            )
         if "input_ids" not in sample or "token_type_ids" not in sample:
             raise UsageError(
                 f"{root}: sample {i} lacks input_ids/token_type_ids (columns: {sorted(sample)}); "

@@ -380,6 +380,7 @@ def report_markdown(metrics: dict) -> str:
             f"Data: `{src['source']}` ({src['kind']}, vocabulary {fp}): {src['sequences']} sequences, "
             f"{src['sentences']} sentences, {src['tokens']} tokens analysed; left out: {skipped}."
         )
+        lines += [f"Note: {note}." for note in src.get("notes", ())]
     lines += [
         "",
         "Special tokens ([CLS], [SEP], [PAD], [MASK]) and padding are left out of every number. "
