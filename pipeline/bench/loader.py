@@ -42,29 +42,29 @@ def _head(src: Path, dst: Path, *, mb: float) -> None:
                 break
 
 
-def _corpus(work: Path, *, repeat: int) -> tuple[list[str], str]:
+def _corpus(work: Path, *, repeat: int, mb: float) -> tuple[list[str], str]:
     """Builder --input specs and a description of the text they hold."""
     work.mkdir(parents=True, exist_ok=True)
     if all((SHARED_CORPORA / rel).is_file() for _, rel in REAL_TEXT):
         specs = []
         for lang, rel in REAL_TEXT:
             dst = work / Path(rel).name
-            _head(SHARED_CORPORA / rel, dst, mb=REAL_MB)
+            _head(SHARED_CORPORA / rel, dst, mb=mb)
             specs.append(f"{lang}:{dst}")
-        return specs, f"the first {REAL_MB:g} MB of {' and '.join(r for _, r in REAL_TEXT)} ({SHARED_CORPORA})"
+        return specs, f"the first {mb:g} MB of {' and '.join(r for _, r in REAL_TEXT)} ({SHARED_CORPORA})"
     en, zh = work / "en.txt", work / "zh.jsonl"
     en.write_text(((SAMPLE_CORPUS / "en.txt").read_text(encoding="utf-8").rstrip("\n") + "\n\n") * repeat)
     zh.write_text((SAMPLE_CORPUS / "zh.jsonl").read_text(encoding="utf-8") * repeat)
     return [f"en:{en}", f"zh:{zh}"], f"the sample corpus x{repeat}"
 
 
-def _build(work: Path, *, tokenizer: str, seq_len: int, repeat: int) -> tuple[dict[str, Path], str]:
+def _build(work: Path, *, tokenizer: str, seq_len: int, repeat: int, mb: float) -> tuple[dict[str, Path], str]:
     import ray
 
     from preprocessing.builder import build_shards
     from preprocessing.config import BuildConfig
 
-    inputs, text = _corpus(work / "corpus", repeat=repeat)
+    inputs, text = _corpus(work / "corpus", repeat=repeat, mb=mb)
     out = {fmt: work / f"{fmt}{seq_len}" for fmt in ("packed", "nsp")}
     if all((p / "index.json").is_file() for p in out.values()):
         return out, text
@@ -150,7 +150,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.quick:
         a.batches, a.rounds, a.micro = 4, 1, 32
     work = Path(a.work_dir or tempfile.mkdtemp(prefix="bench_loader_"))
-    shards, text = _build(work / "shards", tokenizer=a.tokenizer, seq_len=a.seq_len, repeat=2 if a.quick else 40)
+    shards, text = _build(
+        work / "shards",
+        tokenizer=a.tokenizer,
+        seq_len=a.seq_len,
+        repeat=2 if a.quick else 40,
+        mb=0.3 if a.quick else REAL_MB,
+    )
     result: dict = {
         "benchmark": "loader",
         "seq_len": a.seq_len,

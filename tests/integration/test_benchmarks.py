@@ -63,6 +63,14 @@ def test_builder_benchmark_quick(tmp_path, corpora):
         assert all(value is not None for value in lang["ratios"].values())
 
 
+def test_bench_loader_quick(tmp_path):
+    report = _run(["pipeline.bench.loader", "--quick", "--work_dir", str(tmp_path / "w")], tmp_path)
+    for fmt in ("packed", "nsp"):
+        r = report[fmt]
+        assert r["samples_per_s_per_worker"] > 0 and r["read_samples_per_s"] > 0 and r["collate_samples_per_s"] > 0
+    assert report["samples_per_s_per_worker"] == min(report[f]["samples_per_s_per_worker"] for f in ("packed", "nsp"))
+
+
 def test_bench_shards_quick(tmp_path):
     report = _run(["pipeline.bench.shards", "--mb", "8", "--rounds", "1"], tmp_path)
     assert report["shard_bytes"] > 4e6 and report["hash_gb_per_s"] > 0
