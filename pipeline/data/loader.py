@@ -46,6 +46,11 @@ def _streaming_dataset_class():
                     _map_reads(shard)
 
         def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
+            # streaming's download thread calls this for every sample and takes a file lock each
+            # time to find the shard already there; without a cache limit there is nothing to
+            # update for a local shard (its access time only orders evictions).
+            if not self.cache_limit and self._shard_states[shard_id] == _ShardState.LOCAL:
+                return
             try:
                 super().prepare_shard(shard_id, blocking)
             except Exception as e:
@@ -189,6 +194,61 @@ class _MappedReads:
         return sample
 
 
+_PACKED, _SPEC = "_packed_tensors", "_packed_spec"
+
+
+class PackingCollate:
+    """A collator whose batch crosses from a worker to the rank as one byte buffer: torch moves each
+    tensor of a batch through its own shared-memory segment, and a dozen of them per batch cost the
+    worker more than reading and masking the samples (pipeline.bench.loader). `unpack_batch` turns
+    it back into the collator's dict, every tensor a view of the one (pinned) buffer."""
+
+    def __init__(self, collate: Any) -> None:
+        self.collate = collate
+
+    def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        batch = self.collate(samples)
+        out = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}
+        spec, parts, seen, offset = [], [], {}, 0
+        for key, t in batch.items():
+            if not isinstance(t, torch.Tensor):
+                continue
+            if id(t) in seen:  # the same tensor under two names
+                spec.append((key, seen[id(t)]))
+                continue
+            seen[id(t)] = key
+            flat = t.contiguous().reshape(-1).view(torch.uint8)
+            pad = -offset % 8  # every dtype's view needs its alignment
+            if pad:
+                parts.append(torch.zeros(pad, dtype=torch.uint8))
+                offset += pad
+            spec.append((key, (str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, flat.numel())))
+            parts.append(flat)
+            offset += flat.numel()
+        out[_PACKED] = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+        out[_SPEC] = spec
+        return out
+
+
+def unpack_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    """The collator's dict from a PackingCollate batch (any other batch is returned as it is)."""
+    if _PACKED not in batch:
+        return batch
+    import torch
+
+    buf = batch[_PACKED]
+    out = {k: v for k, v in batch.items() if k not in (_PACKED, _SPEC)}
+    for key, where in batch[_SPEC]:
+        if isinstance(where, str):
+            out[key] = out[where]
+            continue
+        dtype, shape, offset, nbytes = where
+        out[key] = buf[offset : offset + nbytes].view(getattr(torch, dtype)).reshape(shape)
+    return out
+
+
 def _map_reads(shard: Any) -> None:
     from streaming.base.format.mds.reader import MDSReader
 
@@ -312,6 +372,10 @@ def build_loader(
         def _get_batch_size(self, batch: Any) -> int:
             return int(batch["num_sequences"])
 
+        def __iter__(self):
+            for batch in super().__iter__():
+                yield unpack_batch(batch)
+
     distributed.normalize_launch_env()
     markers = _separate_colocated_nodes(run_id)
     locals_ = _attempt_caches(info)
@@ -341,7 +405,7 @@ def build_loader(
     loader = Loader(
         dataset,
         batch_size=micro_batch,
-        collate_fn=collator,
+        collate_fn=PackingCollate(collator) if num_workers else collator,
         num_workers=num_workers,
         worker_init_fn=_worker_init if num_workers else None,
         pin_memory=pin_memory,

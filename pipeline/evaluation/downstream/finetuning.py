@@ -23,6 +23,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from pipeline.cli import knob
 from pipeline.data.masking import IGNORE_INDEX
@@ -322,6 +323,8 @@ def finetune_once(
     pad_id = tokenizer.pad_token_id
     step = 0
     model.train()
+    # A bar on a terminal only: logs and tests get the per-task lines, not carriage returns.
+    bar = tqdm(total=total, desc=f"{task.name} seed {seed}", unit="step", leave=False, disable=not sys.stderr.isatty())
     while step < total:
         order = torch.randperm(n, generator=gen).tolist()
         for start in range(0, n, cfg.batch_size):
@@ -336,6 +339,8 @@ def finetune_once(
             sched.step()
             opt.zero_grad(set_to_none=True)
             step += 1
+            bar.update(1)
+    bar.close()
     out = {}
     for split_name, split in task.evals.items():
         preds = predict(model, split=split, task=task, pad_id=pad_id, cfg=cfg, device=device)
