@@ -71,6 +71,13 @@ def test_bench_loader_quick(tmp_path):
     assert report["samples_per_s_per_worker"] == min(report[f]["samples_per_s_per_worker"] for f in ("packed", "nsp"))
 
 
+def test_bench_unpadded_quick(tmp_path):
+    report = _run(["pipeline.bench.unpadded", "--quick", "--work_dir", str(tmp_path / "w")], tmp_path)
+    assert 0 < report["real_over_padded_tokens"] <= 1
+    assert report["padded_step_s"] > 0 and report["unpadded_step_s"] > 0
+    assert report["target_at_most"] == round(report["real_over_padded_tokens"] * 1.1, 4)
+
+
 def test_bench_shards_quick(tmp_path):
     report = _run(["pipeline.bench.shards", "--mb", "8", "--rounds", "1"], tmp_path)
     assert report["shard_bytes"] > 4e6 and report["hash_gb_per_s"] > 0
