@@ -28,6 +28,9 @@ from pipeline import distributed
 PEAK_FLOPS_16BIT: list[tuple[str, float]] = [
     ("GH200", 989e12),
     ("H200", 989e12),
+    # Dense bf16 per card form factor: the PCIe and NVL H100s run at lower clocks than the SXM one.
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
     ("H100", 989e12),
     ("H800", 989e12),
     ("B200", 2250e12),
@@ -55,7 +58,12 @@ def device_peak_flops(
         return override_tflops * 1e12
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return None
-    name = torch.cuda.get_device_name(device)
+    return peak_for_name(torch.cuda.get_device_name(device))
+
+
+def peak_for_name(name: str) -> Optional[float]:
+    """Dense 16-bit peak FLOP/s of a GPU by its CUDA name (the first, most specific, entry that the
+    name contains), or None."""
     for key, peak in PEAK_FLOPS_16BIT:
         if key in name:
             return peak
