@@ -45,6 +45,36 @@ def test_bench_gpu_tiny_runs_on_cpu(tmp_path):
     assert set(report["figures"]) == {"mlm_mfu", "tacl_over_mlm_tokens", "taco_over_mlm_tokens"}
 
 
+def test_bench_bare_tiny_runs_on_cpu_without_deepspeed_streaming_or_ray(tmp_path):
+    """The bare-GPU benchmark imports none of DeepSpeed, streaming or Ray (the GPU machine has none)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    probe = (
+        "import sys; import pipeline.bench.bare as b; b.main(['--tiny', '--out', 'bare.json']); "
+        "print('LOADED', sorted(k for k in ('deepspeed', 'streaming', 'ray') if k in sys.modules))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "LOADED []" in proc.stdout
+    report = json.loads((tmp_path / "bare.json").read_text())
+    assert set(report["runs"]) == {"mlm_packed", "taco", "mlm_nsp", "tacl"}
+    for run in report["runs"].values():
+        assert (
+            run["tokens_per_s"] > 0
+            and run["mfu"] is None
+            and set(run["step_split_s"])
+            == {
+                "data",
+                "forward",
+                "loss",
+                "backward",
+                "optimizer",
+            }
+        )
+    assert set(report["figures"]) == {"mlm_mfu", "tacl_over_mlm_tokens", "taco_over_mlm_tokens"}
+
+
 def test_bench_train_quick(tmp_path):
     report = _run(["pipeline.bench.train", "--quick", "--work_dir", str(tmp_path / "w")], tmp_path)
     assert set(report["ratios"]) == {"tacl_over_mlm", "taco_over_mlm", "masked_over_full_head", "loader_over_trainer"}
