@@ -109,6 +109,24 @@ def client_scheduler(ds: dict[str, Any], *, schedule: ScheduleArgs) -> tuple[dic
     def build(optimizer):
         import torch
 
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        class NoWarmup(torch.optim.lr_scheduler.LambdaLR):
+            def load_state_dict(self, state: dict[str, Any]) -> None:
+                if "last_batch_iteration" not in state:
+                    super().load_state_dict(state)
+                    return
+                # Saved by DeepSpeed's own scheduler (a run started before --warmup_steps 0 meant
+                # this): continue at its step, on this schedule, and say so.
+                from pipeline.training import log
+
+                self.last_epoch = int(state["last_batch_iteration"]) + 1
+                for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
+                    group["lr"] = lr
+                self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+                log.warning(
+                    f"the checkpoint's learning-rate schedule is DeepSpeed's {sched['type']} (its warm-up "
+                    f"ran at least 2 steps); continuing at step {self.last_epoch} without a warm-up"
+                )
+
+        return NoWarmup(optimizer, factor)
 
     return {k: v for k, v in ds.items() if k != "scheduler"}, build

@@ -46,3 +46,19 @@ def test_a_warmup_is_deepspeeds_own():
     ds, schedule = _resolved("WarmupDecayLR", 10)
     assert ds["scheduler"]["params"]["warmup_num_steps"] == 10
     assert client_scheduler(ds, schedule=schedule) == (ds, None)
+
+
+def test_a_deepspeed_schedule_state_continues_at_its_step():
+    """A checkpoint of a run that started with DeepSpeed's own scheduler (before --warmup_steps 0
+    meant no warm-up) continues at its step instead of restarting the decay."""
+    ds, schedule = _resolved("WarmupDecayLR", 0)
+    _, build = client_scheduler(ds, schedule=schedule)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    sched = build(opt)
+    sched.load_state_dict({"last_batch_iteration": 49})  # 50 steps taken
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5e-3)
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.49e-3)
+    again = build(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3))
+    again.load_state_dict(sched.state_dict())  # our own state round-trips
+    assert again.last_epoch == sched.last_epoch == 51
