@@ -133,7 +133,7 @@ def run_objective(
 ) -> dict[str, Any]:
     from transformers import BertForPreTraining
 
-    from pipeline.modeling.bert_config import bert_config, non_embedding_params
+    from pipeline.modeling.bert_config import bert_config
     from pipeline.modeling.encoder import Encoder
     from pipeline.modeling.param_groups import param_groups
     from pipeline.modeling.student import Student
@@ -157,15 +157,7 @@ def run_objective(
     opt = torch.optim.AdamW(param_groups(student), lr=1e-4, fused=device.type == "cuda")
     prep = SimpleNamespace(cfg=SimpleNamespace(objective=ObjectiveArgs(objective=objective)), use_nsp=nsp)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    layer_params, head_params = non_embedding_params(cfg)
-    flops_model = FlopsModel(
-        layer_params=layer_params,
-        head_params=head_params,
-        n_layers=cfg.num_hidden_layers,
-        hidden=cfg.hidden_size,
-        vocab=cfg.vocab_size,
-        teacher=teacher is not None,
-    )
+    flops_model = FlopsModel.of(cfg, teacher=teacher is not None)
 
     def step(k: int, clock: Optional[_Clock]) -> None:
         mark = clock.mark if clock else (lambda _: None)

@@ -172,13 +172,13 @@ def measure_side_by_side(jobs: dict[str, Sequence[str]], *, steps: int, warmup: 
             v.close()
 
 
-def loader_samples_per_s(data: Path, *, micro: int, batches: int, workers: int = 1) -> float:
-    """Samples/s of our StreamingDataLoader (masking collator included) with `workers` workers,
-    after its first batch."""
+def bench_loader(data: Path, *, micro: int, workers: int, run_id: str, padding: str = "remove"):
+    """(the trainer's StreamingDataLoader over one local shard folder, with the masking collator;
+    that collator) as the benchmarks use them: one process, seed 0, no pinning."""
     from transformers import AutoTokenizer
 
     from pipeline.data.collator import MaskingCollator
-    from pipeline.data.loader import build_loader, shutdown_loader
+    from pipeline.data.loader import build_loader
     from pipeline.data.masking import MaskingSpec
     from pipeline.data.shards import inspect_data
 
@@ -187,7 +187,12 @@ def loader_samples_per_s(data: Path, *, micro: int, batches: int, workers: int =
     tok = AutoTokenizer.from_pretrained(data / "tokenizer")
     spec = MaskingSpec(mask_token_id=tok.mask_token_id, special_ids=tuple(tok.all_special_ids), vocab_size=len(tok))
     col = MaskingCollator(
-        spec=spec, pad_id=tok.pad_token_id, seed=0, nsp=info.format == "nsp", max_seq_len=info.max_seq_len
+        spec=spec,
+        pad_id=tok.pad_token_id,
+        seed=0,
+        nsp=info.format == "nsp",
+        max_seq_len=info.max_seq_len,
+        padding=padding,
     )
     loader = build_loader(
         info,
@@ -198,9 +203,18 @@ def loader_samples_per_s(data: Path, *, micro: int, batches: int, workers: int =
         seed=0,
         num_workers=workers,
         num_canonical_nodes=1,
-        run_id="bench-loader",
+        run_id=run_id,
         pin_memory=False,
     )
+    return loader, col
+
+
+def loader_samples_per_s(data: Path, *, micro: int, batches: int, workers: int = 1) -> float:
+    """Samples/s of our StreamingDataLoader (masking collator included) with `workers` workers,
+    after its first batch."""
+    from pipeline.data.loader import shutdown_loader
+
+    loader, _ = bench_loader(data, micro=micro, workers=workers, run_id="bench-loader")
     try:
         it, n, t0 = iter(loader), 0, None
         for i in range(batches + 1):

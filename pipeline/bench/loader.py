@@ -92,31 +92,10 @@ def _build(work: Path, *, tokenizer: str, seq_len: int, repeat: int, mb: float) 
 def _read_and_collate(data: Path, *, micro: int, batches: int) -> dict[str, float]:
     """Samples/s of the loader's sample reads alone (its dataset's get_item: the mapped reads, the
     checks) and of the collator alone, in this process."""
-    from transformers import AutoTokenizer
+    from pipeline.bench.common import bench_loader
+    from pipeline.data.loader import shutdown_loader
 
-    from pipeline.data.collator import MaskingCollator
-    from pipeline.data.loader import build_loader, shutdown_loader
-    from pipeline.data.masking import MaskingSpec
-    from pipeline.data.shards import inspect_data
-
-    info = inspect_data([str(data)], cache_root=str(data.parent / "cache"))
-    tok = AutoTokenizer.from_pretrained(data / "tokenizer")
-    spec = MaskingSpec(mask_token_id=tok.mask_token_id, special_ids=tuple(tok.all_special_ids), vocab_size=len(tok))
-    col = MaskingCollator(
-        spec=spec, pad_id=tok.pad_token_id, seed=0, nsp=info.format == "nsp", max_seq_len=info.max_seq_len
-    )
-    loader = build_loader(
-        info,
-        weights=None,
-        micro_batch=micro,
-        collator=col,
-        vocab_size=len(tok),
-        seed=0,
-        num_workers=0,
-        num_canonical_nodes=1,
-        run_id="bench-read",
-        pin_memory=False,
-    )
+    loader, col = bench_loader(data, micro=micro, workers=0, run_id="bench-read")
     try:
         ds = loader.dataset
         n = min(ds.num_samples, micro * batches)

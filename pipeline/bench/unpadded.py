@@ -29,33 +29,10 @@ SLACK = 1.1
 
 
 def _batches(data: Path, *, micro: int, count: int, padding: str) -> list[dict]:
-    from transformers import AutoTokenizer
+    from pipeline.bench.common import bench_loader
+    from pipeline.data.loader import shutdown_loader
 
-    from pipeline import distributed
-    from pipeline.data.collator import MaskingCollator
-    from pipeline.data.loader import build_loader, shutdown_loader
-    from pipeline.data.masking import MaskingSpec
-    from pipeline.data.shards import inspect_data
-
-    distributed.single_process_env()
-    info = inspect_data([str(data)], cache_root=str(data.parent / "cache"))
-    tok = AutoTokenizer.from_pretrained(data / "tokenizer")
-    spec = MaskingSpec(mask_token_id=tok.mask_token_id, special_ids=tuple(tok.all_special_ids), vocab_size=len(tok))
-    col = MaskingCollator(
-        spec=spec, pad_id=tok.pad_token_id, seed=0, nsp=True, max_seq_len=info.max_seq_len, padding=padding
-    )
-    loader = build_loader(
-        info,
-        weights=None,
-        micro_batch=micro,
-        collator=col,
-        vocab_size=len(tok),
-        seed=0,
-        num_workers=0,
-        num_canonical_nodes=1,
-        run_id=f"bench-unpadded-{padding}",
-        pin_memory=False,
-    )
+    loader, _ = bench_loader(data, micro=micro, workers=0, run_id=f"bench-unpadded-{padding}", padding=padding)
     try:
         out = []
         for b in loader:

@@ -81,6 +81,21 @@ class FlopsModel:
     vocab: int
     teacher: bool
 
+    @classmethod
+    def of(cls, config: Any, *, teacher: bool) -> FlopsModel:
+        """The model of a BertConfig (with TaCL's teacher forward or not)."""
+        from pipeline.modeling.bert_config import non_embedding_params
+
+        layer_params, head_params = non_embedding_params(config)
+        return cls(
+            layer_params=layer_params,
+            head_params=head_params,
+            n_layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            vocab=config.vocab_size,
+            teacher=teacher,
+        )
+
     def batch_flops(self, *, tokens: int, sum_len_sq: int, masked: int) -> float:
         attn = 12 * self.n_layers * self.hidden * sum_len_sq
         f = 6 * self.layer_params * tokens + attn + 6 * (self.hidden * self.vocab + self.head_params) * masked

@@ -137,7 +137,6 @@ def setup(prep: Prepared, *, batches: Optional[Any] = None) -> Run:
     benchmark's synthetic samples through the real collator)."""
     import deepspeed
 
-    from pipeline.modeling.bert_config import non_embedding_params
     from pipeline.modeling.param_groups import param_groups
     from pipeline.modeling.teacher import build_teacher, check_teacher, fingerprint
 
@@ -220,8 +219,6 @@ def setup(prep: Prepared, *, batches: Optional[Any] = None) -> Run:
     }
     assert tuple(record) == RECORD_KEYS, (tuple(record), RECORD_KEYS)
     resolved = {**cfg.to_dict(), **record}
-    layer_params, head_params = non_embedding_params(student.config)
-    c = student.config
     run = Run(
         prep=prep,
         engine=engine,
@@ -234,14 +231,7 @@ def setup(prep: Prepared, *, batches: Optional[Any] = None) -> Run:
         micro=micro,
         accum=accum,
         resolved=resolved,
-        flops=FlopsModel(
-            layer_params=layer_params,
-            head_params=head_params,
-            n_layers=c.num_hidden_layers,
-            hidden=c.hidden_size,
-            vocab=c.vocab_size,
-            teacher=teacher is not None,
-        ),
+        flops=FlopsModel.of(student.config, teacher=teacher is not None),
         peak=device_peak_flops(device, dtype=dtype, override_tflops=cfg.run.peak_tflops),
     )
     if prep.resume_from is not None:
