@@ -107,12 +107,14 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls
 
 
 def _help(f: dataclasses.Field) -> str:
-    text = f.metadata["help"]
+    # argparse %-formats help strings: a literal "10%" would crash --help.
+    text = f.metadata["help"].replace("%", "%%")
     if f.metadata["required"]:
         return f"{text} (required)" if text else "(required)"
     default = f.default if f.default is not _NOT_SET else None
     if f.metadata["invert"] or default in (None, False, (), []):
         return text
+    default = str(default).replace("%", "%%")
     return f"{text} [{default}]" if text else f"[{default}]"
 
 
