@@ -89,6 +89,29 @@ def test_span_f1_hand_computed():
     assert M.span_f1([["O"]], pred=[["O"]], scheme="bio")["f1"] == 0.0
 
 
+def test_metrics_agree_with_scikit_learn_and_seqeval_on_the_same_predictions():
+    """The same predictions scored by our metrics and by the libraries everyone else reports with."""
+    sk = pytest.importorskip("sklearn.metrics")
+    seqeval = pytest.importorskip("seqeval.metrics")
+    rng = random.Random(0)
+    for _ in range(20):
+        gold = [rng.randint(0, 1) for _ in range(60)]
+        pred = [g if rng.random() < 0.7 else 1 - g for g in gold]
+        assert M.accuracy(pred, gold) == pytest.approx(sk.accuracy_score(gold, pred))
+        assert M.f1_binary(pred, gold=gold) == pytest.approx(sk.f1_score(gold, pred))
+        assert M.matthews_corrcoef(pred, gold) == pytest.approx(sk.matthews_corrcoef(gold, pred))
+    # Entity spans (MSRA-style BIO), including the cases conlleval defines: an I without its B opens a
+    # span, and a type change inside a span splits it.
+    tags = ["O", "O", "O", "B-PER", "I-PER", "B-LOC", "I-LOC", "B-ORG", "I-ORG", "I-PER"]
+    for _ in range(20):
+        gold = [[rng.choice(tags) for _ in range(rng.randint(1, 30))] for _ in range(40)]
+        pred = [[t if rng.random() < 0.6 else rng.choice(tags) for t in sent] for sent in gold]
+        ours = M.span_f1(gold, pred=pred, scheme="bio")
+        assert ours["f1"] == pytest.approx(seqeval.f1_score(gold, pred))
+        assert ours["precision"] == pytest.approx(seqeval.precision_score(gold, pred))
+        assert ours["recall"] == pytest.approx(seqeval.recall_score(gold, pred))
+
+
 # --------------------------------------------------------------------------- readers, real layouts
 
 
@@ -130,6 +153,13 @@ def test_glue_readers_on_real_layouts(tmp_path):
     )
     ex = read_glue_split(GLUE_TASKS["mrpc"], mrpc)
     assert ex.labels == [1, 0] and ex.text_b[0] == '"The foodservice pie business does not fit'  # quotes kept as text
+
+    chnsenti = write(
+        tmp_path / "ChnSentiCorp" / "dev.tsv",
+        ["1\t房间很干净，服务周到。", "0\t房间太小。其他的都一般。。。", "2\t标签不对"],
+    )  # ChnSentiCorp's layout: label, text, no header; an unknown label is skipped and counted
+    ex = read_glue_split(GLUE_TASKS["chnsenti"], chnsenti)
+    assert ex.labels == [1, 0] and ex.text_a[1] == "房间太小。其他的都一般。。。" and ex.skipped == {"unknown_label": 1}
 
     stsb = write(
         tmp_path / "STS-B" / "dev.tsv",

@@ -365,7 +365,9 @@ def aggregate(values: list[float]) -> dict:
     }
 
 
-def evaluate_model(model_dir: Path, *, tasks: list[tuple[str, Path]], cfg: FinetuneConfig, log=print) -> dict:
+def evaluate_model(
+    model_dir: Path, *, tasks: list[tuple[str, Path]], cfg: FinetuneConfig, log=print, label: Optional[str] = None
+) -> dict:
     """Every task x every seed for one model. Out: {task: {"splits": {split: {metric: {mean, std, per_seed}}},
     "data": counts, "seeds": [...]}}."""
     from transformers import AutoTokenizer
@@ -384,7 +386,7 @@ def evaluate_model(model_dir: Path, *, tasks: list[tuple[str, Path]], cfg: Finet
             for split in task.evals:
                 run[split]["score"] = headline(task, run[split])
             log(
-                f"[finetune] {model_dir.name} {task.name} seed {seed}: "
+                f"[finetune] {label or model_dir.name} {task.name} seed {seed}: "
                 + ", ".join(f"{s} {run[s]['score']:.4f}" for s in task.evals)
                 + f" ({time.time() - t0:.0f} s)"
             )

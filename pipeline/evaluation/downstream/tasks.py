@@ -3,7 +3,8 @@
 GLUE: point to a task folder of the standard GLUE download (glue_data/CoLA, glue_data/MNLI, ...). The
 labelled splits are train.tsv and dev.tsv (MNLI: dev_matched.tsv and dev_mismatched.tsv); test.tsv has
 no labels, so evaluation is on dev, as in both papers' GLUE dev tables. Columns are found by header
-name, except CoLA, whose train/dev files have no header (source, label, original label, sentence).
+name, except CoLA, whose train/dev files have no header (source, label, original label, sentence), and
+ChnSentiCorp (`chnsenti`: label, text; no header).
 Rows with too few columns or an unknown label are skipped and counted, never dropped silently.
 
 Tagging (Chinese NER, word segmentation): one token per line, the token in the first column and its
@@ -63,6 +64,9 @@ GLUE_TASKS: dict[str, GlueTask] = {
         GlueTask("qnli", "QNLI", "question", "sentence", "label", ("entailment", "not_entailment"), ("accuracy",)),
         GlueTask("rte", "RTE", "sentence1", "sentence2", "label", ("entailment", "not_entailment"), ("accuracy",)),
         GlueTask("wnli", "WNLI", "sentence1", "sentence2", "label", ("0", "1"), ("accuracy",)),
+        # ChnSentiCorp as distributed with the Chinese BERT baselines: `label<TAB>text`, no header,
+        # train.tsv / dev.tsv (test.tsv is labelled too, but dev is what model selection reads).
+        GlueTask("chnsenti", "ChnSentiCorp", 1, None, 0, ("0", "1"), ("accuracy",), header=False),
     )
 }
 
@@ -118,7 +122,9 @@ def read_glue_split(task: GlueTask, path: Path) -> Examples:
     else:
         cols = {"a": task.text_a, "label": task.label}
         if rows and rows[0] and rows[0][0] == "index":
-            raise UsageError(f"{path}: has a header row; CoLA's labelled files have none (is this test.tsv?)")
+            raise UsageError(
+                f"{path}: has a header row; {task.folder_hint}'s labelled files have none (is this test.tsv?)"
+            )
     ex = Examples(path=path, text_b=[] if task.text_b is not None else None)
     need = max(cols.values()) + 1
     for row in rows:
