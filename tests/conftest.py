@@ -10,6 +10,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_CORPORA = REPO.parent / "shared" / "corpora"
+SHARED_DOWNSTREAM = REPO.parent / "shared" / "downstream"
 
 # Set before any test imports deepspeed, ray or transformers.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -42,6 +43,14 @@ def corpora() -> Path:
     if not SHARED_CORPORA.is_dir():
         pytest.skip(f"needs real text in {SHARED_CORPORA} (absent on a fresh clone)")
     return SHARED_CORPORA
+
+
+@pytest.fixture(scope="session")
+def downstream() -> Path:
+    """../shared/downstream (real labelled tasks), or a skip with the reason when it is absent."""
+    if not SHARED_DOWNSTREAM.is_dir():
+        pytest.skip(f"needs the labelled tasks in {SHARED_DOWNSTREAM} (absent on a fresh clone)")
+    return SHARED_DOWNSTREAM
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
