@@ -71,9 +71,7 @@ def dense_attention(
 
 
 def varlen_attention(
-    q_TD: torch.Tensor,
-    k_TD: torch.Tensor,
-    v_TD: torch.Tensor,
+    qkv_T3D: torch.Tensor,
     *,
     heads: int,
     cu_seqlens: torch.Tensor,
@@ -83,15 +81,15 @@ def varlen_attention(
     dropout_p: float,
     fused: bool,
 ) -> torch.Tensor:
-    """Attention within each sequence of an unpadded [T, D] stream (see `Varlen` for the layout).
-    `fused`: use the varlen kernel (the caller checked `varlen_available` and that dropout_p == 0)."""
-    T, D = q_TD.shape
+    """Attention within each sequence of an unpadded stream of fused [T, 3D] query/key/value projections
+    (see `Varlen` for the layout); returns [T, D]. `fused`: use the varlen kernel (the caller checked
+    `varlen_available` and that dropout_p == 0)."""
+    T, D = qkv_T3D.shape[0], qkv_T3D.shape[1] // 3
     if fused:
-        q, k, v = (x.view(T, heads, D // heads) for x in (q_TD, k_TD, v_TD))
+        q, k, v = qkv_T3D.view(T, 3, heads, D // heads).unbind(1)
         return _VARLEN(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len).reshape(T, D)
+    # One scatter of the fused projections (not three): the grid is the only padded tensor.
     B = key_mask_BL.shape[0]
-    grid = [
-        q_TD.new_zeros(B * max_len, D).index_copy(0, grid_index_T, x).view(B, max_len, D) for x in (q_TD, k_TD, v_TD)
-    ]
-    out_BLD = dense_attention(*grid, heads=heads, key_mask_BL=key_mask_BL, dropout_p=dropout_p)
+    grid_BL3D = qkv_T3D.new_zeros(B * max_len, 3 * D).index_copy(0, grid_index_T, qkv_T3D).view(B, max_len, 3 * D)
+    out_BLD = dense_attention(*grid_BL3D.chunk(3, dim=-1), heads=heads, key_mask_BL=key_mask_BL, dropout_p=dropout_p)
     return out_BLD.reshape(B * max_len, D).index_select(0, grid_index_T)

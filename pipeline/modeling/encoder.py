@@ -51,15 +51,13 @@ def layer_forward(
     a = layer.attention
     w = torch.cat([a.self.query.weight, a.self.key.weight, a.self.value.weight])
     b = torch.cat([a.self.query.bias, a.self.key.bias, a.self.value.bias])
-    q, k, v = F.linear(x, w, b).chunk(3, dim=-1)
+    qkv = F.linear(x, w, b)
     p = attention_dropout if layer.training else 0.0
     if cu_seqlens is None:
-        context = dense_attention(q, k, v, heads=heads, key_mask_BL=key_mask_BL, dropout_p=p)
+        context = dense_attention(*qkv.chunk(3, dim=-1), heads=heads, key_mask_BL=key_mask_BL, dropout_p=p)
     else:
         context = varlen_attention(
-            q,
-            k,
-            v,
+            qkv,
             heads=heads,
             cu_seqlens=cu_seqlens,
             max_len=max_len,

