@@ -1,9 +1,9 @@
 """GPU benchmark for a bare, offline GPU machine (JSON out): torch and transformers only, no DeepSpeed,
 streaming or Ray, no network.
 
-    python -m pipeline.bench.bare [--out bench_bare.json]          # on the GPU machine
-    python -m pipeline.bench.bare --tiny                           # anywhere: tiny model, a smoke run
-    python -m pipeline.bench.bare --wheelhouse DIR                 # here, beforehand: wheels to carry
+    python -m pipeline.bench.gpu [--out bench_gpu.json]            # on the GPU machine
+    python -m pipeline.bench.gpu --tiny                            # anywhere: tiny model, a smoke run
+    python -m pipeline.bench.gpu --wheelhouse DIR                  # here, beforehand: wheels to carry
 
 It runs the trainer's own pieces on synthetic samples: the masking collator (pipeline.data.collator),
 the student with its encoder and masked-only head (pipeline.modeling), the objectives' loss terms
@@ -271,7 +271,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "taco_over_mlm_tokens": tok["taco"] / tok["mlm_packed"],
     }
     result = {
-        "benchmark": "bench_bare",
+        "benchmark": "bench_gpu",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "setup": {

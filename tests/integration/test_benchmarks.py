@@ -34,10 +34,12 @@ def test_bench_losses_quick(tmp_path):
     assert "taco_loss_share_of_bert_step" in report["summary"]
 
 
-def test_bench_gpu_tiny_runs_on_cpu(tmp_path):
-    """The GPU benchmark keeps a CPU path with the tiny model, so it cannot rot where no GPU is."""
+def test_bench_gpu_deepspeed_tiny_runs_on_cpu(tmp_path):
+    """The whole-stack GPU benchmark keeps a CPU path with the tiny model, so it cannot rot where no GPU is."""
     out = tmp_path / "gpu.json"
-    report = _run(["pipeline.bench.gpu", "--tiny", "--work_dir", str(tmp_path / "w"), "--out", str(out)], tmp_path)
+    report = _run(
+        ["pipeline.bench.gpu_deepspeed", "--tiny", "--work_dir", str(tmp_path / "w"), "--out", str(out)], tmp_path
+    )
     assert json.loads(out.read_text()) == report
     assert set(report["runs"]) >= {"mlm_packed", "mlm_nsp", "tacl", "taco"}
     for run in report["runs"].values():
@@ -45,11 +47,11 @@ def test_bench_gpu_tiny_runs_on_cpu(tmp_path):
     assert set(report["figures"]) == {"mlm_mfu", "tacl_over_mlm_tokens", "taco_over_mlm_tokens"}
 
 
-def test_bench_bare_tiny_runs_on_cpu_without_deepspeed_streaming_or_ray(tmp_path):
-    """The bare-GPU benchmark imports none of DeepSpeed, streaming or Ray (the GPU machine has none)."""
+def test_bench_gpu_tiny_runs_on_cpu_without_deepspeed_streaming_or_ray(tmp_path):
+    """The GPU benchmark for a bare machine imports none of DeepSpeed, streaming or Ray (the GPU machine has none)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     probe = (
-        "import sys; import pipeline.bench.bare as b; b.main(['--tiny', '--out', 'bare.json']); "
+        "import sys; import pipeline.bench.gpu as b; b.main(['--tiny', '--out', 'gpu.json']); "
         "print('LOADED', sorted(k for k in ('deepspeed', 'streaming', 'ray') if k in sys.modules))"
     )
     proc = subprocess.run(
@@ -57,7 +59,7 @@ def test_bench_bare_tiny_runs_on_cpu_without_deepspeed_streaming_or_ray(tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "LOADED []" in proc.stdout
-    report = json.loads((tmp_path / "bare.json").read_text())
+    report = json.loads((tmp_path / "gpu.json").read_text())
     assert set(report["runs"]) == {"mlm_packed", "taco", "mlm_nsp", "tacl"}
     for run in report["runs"].values():
         assert (
