@@ -158,6 +158,25 @@ class Variant:
             torch.cuda.empty_cache()
 
 
+def trainer_args(
+    *, ds: Path, objective: str, data: Path, model: str, save_dir: Path, num_workers: int, extra: Sequence[str] = ()
+) -> list[str]:
+    """`pipeline/train.py` arguments of one benchmark job: a run long enough never to end on its own (the
+    measurement stops it), a short warm-up, no progress bar."""
+    return [
+        "--ds_config", str(ds),
+        "--objective", objective,
+        "--data", str(data),
+        "--model_config", model,
+        "--max_steps", "100000",
+        "--save_dir", str(save_dir),
+        "--num_workers", str(num_workers),
+        "--warmup_steps", "10",
+        "--progress_bar", "off",
+        *extra,
+    ]  # fmt: skip
+
+
 def measure_side_by_side(jobs: dict[str, Sequence[str]], *, steps: int, warmup: int, rounds: int) -> dict[str, dict]:
     """Set every job up, then time `rounds` rounds of `steps` steps, alternating between the jobs;
     each job's median round."""

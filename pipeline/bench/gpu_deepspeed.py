@@ -27,6 +27,7 @@ from pipeline.bench.common import (
     default_tokenizer,
     emit_json,
     measure_side_by_side,
+    trainer_args,
     write_ds_config,
 )
 
@@ -57,26 +58,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ds = write_ds_config(work / "ds.json", base=Path(a.ds_config), micro=a.micro, torch_adam=a.torch_adam)
 
     def job(name: str, objective: str, data: Path) -> list[str]:
-        return [
-            "--ds_config",
-            str(ds),
-            "--objective",
-            objective,
-            "--data",
-            str(data),
-            "--model_config",
-            model,
-            "--max_steps",
-            "100000",
-            "--save_dir",
-            str(work / "runs" / name),
-            "--num_workers",
-            str(a.num_workers),
-            "--warmup_steps",
-            "10",
-            "--progress_bar",
-            "off",
-        ]
+        return trainer_args(
+            ds=ds, objective=objective, data=data, model=model, save_dir=work / "runs" / name,
+            num_workers=a.num_workers,
+        )  # fmt: skip
 
     runs = measure_side_by_side(
         {

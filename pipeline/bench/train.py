@@ -31,6 +31,7 @@ from pipeline.bench.common import (
     emit_json,
     loader_samples_per_s,
     measure_side_by_side,
+    trainer_args,
     write_ds_config,
     write_model_config,
 )
@@ -61,27 +62,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ds = write_ds_config(work / "ds.json", base=Path(a.ds_config), micro=a.micro)
 
     def job(name: str, objective: str, data: Path, *extra: str) -> list[str]:
-        return [
-            "--ds_config",
-            str(ds),
-            "--objective",
-            objective,
-            "--data",
-            str(data),
-            "--model_config",
-            str(model),
-            "--max_steps",
-            "100000",
-            "--save_dir",
-            str(work / "runs" / name),
-            "--num_workers",
-            "1",
-            "--warmup_steps",
-            "10",
-            "--progress_bar",
-            "off",
-            *extra,
-        ]
+        return trainer_args(
+            ds=ds, objective=objective, data=data, model=str(model), save_dir=work / "runs" / name, num_workers=1,
+            extra=extra,
+        )  # fmt: skip
 
     runs = measure_side_by_side(
         {
