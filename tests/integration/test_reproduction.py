@@ -94,6 +94,8 @@ def test_every_model_task_and_seed_is_a_computed_score(mini):
     for accs in rep["heldout_mlm"].values():
         for lang in ("en", "zh"):
             assert 0 <= accs[lang]["accuracy"] <= 1 and 0 < accs[lang]["floor"] < 1 and accs[lang]["masked"] > 50
+            assert finite(accs[lang]["cross_entropy"]) and accs[lang]["cross_entropy"] > 0
+            assert finite(accs[lang]["unigram_cross_entropy"]) and accs[lang]["unigram_cross_entropy"] > 0
     for model in models:
         s = rep["last_layer"][model]
         assert all(finite(s[k]) for k in ("intra_sentence", "intra_context", "inter_context", "gap"))

@@ -138,3 +138,45 @@ def test_split_language_holds_out_the_last_documents_and_shares_bytes_equally(tm
     assert read_documents(long_docs)[0][0].startswith("long 0")
     with pytest.raises(UsageError, match="holds out"):
         split_language([long_docs], budget_bytes=10, heldout_docs=10)
+
+
+def test_heldout_cross_entropy_and_unigram_match_a_direct_computation(tmp_path):
+    import math
+    import random
+
+    import torch
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    from pipeline.evaluation.mini.heldout import heldout_blocks, mask_positions, mlm_accuracy, unigram_log_probs
+    from tests.support.tiny_bert import write_tiny_bert
+
+    words = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran"]
+    rng = random.Random(0)
+    docs = [[" ".join(rng.choices(words, weights=[8, 2, 2, 3, 4, 1, 2, 1], k=12)) for _ in range(4)] for _ in range(6)]
+    held = tmp_path / "heldout.txt"
+    held.write_text("\n\n".join("\n".join(d) for d in docs) + "\n", encoding="utf-8")
+    train = tmp_path / "train.txt"
+    train.write_text("the cat sat on the mat\nthe the dog\n", encoding="utf-8")
+    model_dir = write_tiny_bert(tmp_path / "m", words)
+
+    got = mlm_accuracy(model_dir, held, max_seq_len=16, seed=3, unigram_logp_V=None)
+    assert "unigram_cross_entropy" not in got
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    logp_V = unigram_log_probs(tok, train)
+    # add-half smoothing over the whole vocabulary: the (4), cat sat on mat dog (1 each): 9 training tokens
+    V = len(tok)
+    assert math.exp(logp_V[tok.convert_tokens_to_ids("the")]) == pytest.approx(4.5 / (9 + 0.5 * V))
+    assert math.exp(logp_V[tok.convert_tokens_to_ids("ran")]) == pytest.approx(0.5 / (9 + 0.5 * V))
+
+    got = mlm_accuracy(model_dir, held, max_seq_len=16, seed=3, unigram_logp_V=logp_V)
+    ids = heldout_blocks(tok, held, max_seq_len=16, max_blocks=64)
+    m = mask_positions(ids, seed=3)
+    model = AutoModelForMaskedLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids.masked_fill(m, tok.mask_token_id)).logits[m]
+    gold = ids[m]
+    assert got["masked"] == len(gold) > 10
+    assert got["cross_entropy"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, gold)), rel=1e-5)
+    assert got["accuracy"] == pytest.approx(float((logits.argmax(-1) == gold).float().mean()))
+    assert got["unigram_cross_entropy"] == pytest.approx(float(-logp_V[gold].mean()), rel=1e-9)

@@ -163,7 +163,12 @@ def reproduce(cfg: MiniConfig, *, say=print) -> dict:
     models["cont_tacl"] = cfg.out / "runs" / "cont_tacl" / "export"
 
     # 5. Held-out MLM accuracy and the representation analysis.
-    analysis = stage("analysis", {**cont_s, "sequences": cfg.analysis_sequences}, lambda st: analyse(cfg, st, models))
+    analysis = stage(
+        "analysis",
+        # heldout: what the held-out MLM measure holds; an analysis stage from before cross-entropy reruns.
+        {**cont_s, "sequences": cfg.analysis_sequences, "heldout": ["accuracy", "cross_entropy", "unigram"]},
+        lambda st: analyse(cfg, st, models),
+    )
 
     # 6. Downstream: every model, every task, every seed.
     tasks = task_views(cfg)
@@ -193,13 +198,22 @@ def reproduce(cfg: MiniConfig, *, say=print) -> dict:
 def analyse(cfg: MiniConfig, st: Stage, models: dict[str, Path]) -> dict:
     """Held-out MLM accuracy per model and language; the representation analysis on held-out sentences
     of both languages (pipeline/analyze.py's code), with its figures in OUT/analysis/."""
-    from pipeline.evaluation.mini.heldout import mlm_accuracy
+    from transformers import AutoTokenizer
+
+    from pipeline.evaluation.mini.heldout import mlm_accuracy, unigram_log_probs
     from pipeline.evaluation.representation.report import AnalyzeConfig, run_analysis
 
+    # Every model shares the one joint vocabulary, so one unigram model per language serves them all.
+    tokenizer = AutoTokenizer.from_pretrained(next(iter(models.values())))
+    unigram = {lang: unigram_log_probs(tokenizer, cfg.out / "data" / f"train_{lang}.txt") for lang in D.LANGS}
     mlm = {
         label: {
             lang: mlm_accuracy(
-                path, cfg.out / "data" / f"heldout_{lang}.txt", max_seq_len=cfg.max_seq_len, seed=cfg.seed
+                path,
+                cfg.out / "data" / f"heldout_{lang}.txt",
+                max_seq_len=cfg.max_seq_len,
+                seed=cfg.seed,
+                unigram_logp_V=unigram[lang],
             )
             for lang in D.LANGS
         }

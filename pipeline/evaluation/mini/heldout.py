@@ -1,9 +1,14 @@
-"""Held-out masked-LM accuracy: how far a model's MLM has left the floor.
+"""Held-out masked-LM accuracy and cross-entropy: how far a model's MLM has left the floor.
 
 Blocks of max_seq_len tokens ([CLS] ... [SEP]) from held-out documents, 15% of the inner tokens
 masked (all by [MASK], no random/kept tokens: the evaluation convention), the same positions for every
 model (a fixed generator). The floor is what always predicting the held-out text's most frequent token
 scores on the same positions.
+
+Accuracy is coarse early in pre-training: a model can take something from context and still rank the
+most frequent token first everywhere. So the same positions also get the model's cross-entropy and that
+of a unigram model of the pre-training text (its token frequencies): below the unigram, the model uses
+context; at it, it has learned token frequencies only.
 
 Shape legend: N blocks, L tokens, V vocabulary.
 """
@@ -17,13 +22,18 @@ import torch
 MASK_SHARE = 0.15
 
 
-def heldout_blocks(tokenizer, path: Path, *, max_seq_len: int, max_blocks: int) -> torch.Tensor:
-    """ids_NL: the held-out file's documents, tokenised and cut into full blocks."""
+def _token_ids(tokenizer, path: Path) -> list[int]:
     from pipeline.evaluation.mini.data import read_documents
 
     ids: list[int] = []
     for doc in read_documents(path):
         ids += tokenizer(" ".join(doc), add_special_tokens=False)["input_ids"]
+    return ids
+
+
+def heldout_blocks(tokenizer, path: Path, *, max_seq_len: int, max_blocks: int) -> torch.Tensor:
+    """ids_NL: the held-out file's documents, tokenised and cut into full blocks."""
+    ids = _token_ids(tokenizer, path)
     inner = max_seq_len - 2
     n = min(max_blocks, len(ids) // inner)
     if n == 0:
@@ -42,9 +52,27 @@ def mask_positions(ids_NL: torch.Tensor, *, seed: int) -> torch.Tensor:
     return draw_NL < MASK_SHARE
 
 
+def unigram_log_probs(tokenizer, path: Path) -> torch.Tensor:
+    """logp_V: token frequencies of a (pre-training) text file, add-half smoothed so that a token the
+    text never has costs a finite amount."""
+    counts_V = torch.bincount(torch.tensor(_token_ids(tokenizer, path), dtype=torch.long), minlength=len(tokenizer))
+    probs_V = (counts_V.double() + 0.5) / (counts_V.sum() + 0.5 * len(counts_V))
+    return probs_V.log()
+
+
 @torch.no_grad()
-def mlm_accuracy(model_dir: Path, path: Path, *, max_seq_len: int, max_blocks: int = 64, seed: int = 0) -> dict:
-    """{accuracy, floor, masked}: top-1 accuracy at the masked positions, and the floor (module doc)."""
+def mlm_accuracy(
+    model_dir: Path,
+    path: Path,
+    *,
+    max_seq_len: int,
+    max_blocks: int = 64,
+    seed: int = 0,
+    unigram_logp_V: torch.Tensor | None = None,
+) -> dict:
+    """{accuracy, floor, masked, cross_entropy[, unigram_cross_entropy]}: top-1 accuracy and mean
+    cross-entropy (nats) at the masked positions, the floor (module doc), and with unigram_logp_V the
+    unigram model's cross-entropy on the same positions."""
     from transformers import AutoModelForMaskedLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -52,16 +80,22 @@ def mlm_accuracy(model_dir: Path, path: Path, *, max_seq_len: int, max_blocks: i
     ids_NL = heldout_blocks(tokenizer, path, max_seq_len=max_seq_len, max_blocks=max_blocks)
     masked_NL = mask_positions(ids_NL, seed=seed)
     inputs_NL = ids_NL.masked_fill(masked_NL, tokenizer.mask_token_id)
-    correct = 0
+    correct, nll = 0, 0.0
     for start in range(0, len(ids_NL), 16):
         logits_BLV = model(input_ids=inputs_NL[start : start + 16]).logits
         m_BL = masked_NL[start : start + 16]
-        correct += int((logits_BLV[m_BL].argmax(-1) == ids_NL[start : start + 16][m_BL]).sum())
+        logits_MV, gold_M = logits_BLV[m_BL].float(), ids_NL[start : start + 16][m_BL]
+        correct += int((logits_MV.argmax(-1) == gold_M).sum())
+        nll += float(torch.nn.functional.cross_entropy(logits_MV, gold_M, reduction="sum"))
     gold = ids_NL[masked_NL]
     inner = ids_NL[:, 1:-1].reshape(-1)
     most_frequent = int(torch.bincount(inner).argmax())
-    return {
+    out = {
         "accuracy": correct / len(gold),
         "floor": float((gold == most_frequent).float().mean()),
         "masked": len(gold),
+        "cross_entropy": nll / len(gold),
     }
+    if unigram_logp_V is not None:
+        out["unigram_cross_entropy"] = float(-unigram_logp_V[gold].mean())
+    return out

@@ -238,13 +238,38 @@ def markdown(rep: dict) -> str:
         + f"; {rep['timings'].get('runs/mlm', 0) / 60:.1f} minutes. Left the floor: "
         + ", ".join(f"{lang} {'yes' if left_floor(v) else 'no'}" for lang, v in start.items())
         + f" (by more than {FLOOR_SE} binomial standard errors of the floor over {_masked(start)} masked positions). "
-        "The floor is always predicting the held-out text's most frequent token at the same masked positions.",
+        "The floor is always predicting the held-out text's most frequent token at the same masked positions. "
+        "Held-out [MASK] cross-entropy against a unigram model of the pre-training text on the same positions "
+        "(below it, the model uses context): "
+        + ", ".join(
+            f"{lang} {v['cross_entropy']:.2f} vs {v['unigram_cross_entropy']:.2f} nats "
+            f"({v['cross_entropy'] - v['unigram_cross_entropy']:+.2f})"
+            for lang, v in start.items()
+        )
+        + ".",
         "",
-        "| model | " + " | ".join(f"held-out MLM acc {lang}" for lang in start) + " |",
-        "|---|" + "---|" * len(start),
+        "| model | "
+        + " | ".join(f"held-out MLM acc {lang}" for lang in start)
+        + " | "
+        + " | ".join(f"CE {lang} (nats)" for lang in start)
+        + " |",
+        "|---|" + "---|" * 2 * len(start),
     ]
     for label, accs in rep["heldout_mlm"].items():
-        L.append(f"| {label} | " + " | ".join(f"{v['accuracy']:.3f}" for v in accs.values()) + " |")
+        L.append(
+            f"| {label} | "
+            + " | ".join(f"{v['accuracy']:.3f}" for v in accs.values())
+            + " | "
+            + " | ".join(f"{v['cross_entropy']:.2f}" for v in accs.values())
+            + " |"
+        )
+    L.append(
+        "| unigram of the pre-training text | "
+        + " | ".join("–" for _ in start.values())
+        + " | "
+        + " | ".join(f"{v['unigram_cross_entropy']:.2f}" for v in start.values())
+        + " |"
+    )
     L += [
         "",
         "## Downstream (dev, ×100, mean ± std over seeds)",
