@@ -66,7 +66,7 @@ def parse_tasks(text: str) -> list[tuple[str, Path]]:
 
 @dataclass
 class MiniConfig:
-    """The miniature's settings; the defaults are the full experiment the README reports (~80 minutes)."""
+    """The miniature's settings; the defaults are the full experiment the README reports (70-90 minutes on 2 cores)."""
 
     out: Optional[Path] = knob(
         None, "output folder (stages already done there with the same settings are kept)", parse=Path, required=True
