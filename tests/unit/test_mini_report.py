@@ -147,7 +147,13 @@ def test_heldout_cross_entropy_and_unigram_match_a_direct_computation(tmp_path):
     import torch
     from transformers import AutoModelForMaskedLM, AutoTokenizer
 
-    from pipeline.evaluation.mini.heldout import heldout_blocks, mask_positions, mlm_accuracy, unigram_log_probs
+    from pipeline.evaluation.mini.heldout import (
+        heldout_blocks,
+        mask_positions,
+        mlm_accuracy,
+        prepare,
+        unigram_log_probs,
+    )
     from tests.support.tiny_bert import write_tiny_bert
 
     words = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran"]
@@ -159,9 +165,6 @@ def test_heldout_cross_entropy_and_unigram_match_a_direct_computation(tmp_path):
     train.write_text("the cat sat on the mat\nthe the dog\n", encoding="utf-8")
     model_dir = write_tiny_bert(tmp_path / "m", words)
 
-    got = mlm_accuracy(model_dir, held, max_seq_len=16, seed=3, unigram_logp_V=None)
-    assert "unigram_cross_entropy" not in got
-
     tok = AutoTokenizer.from_pretrained(model_dir)
     logp_V = unigram_log_probs(tok, train)
     # add-half smoothing over the whole vocabulary: the (4), cat sat on mat dog (1 each): 9 training tokens
@@ -169,7 +172,7 @@ def test_heldout_cross_entropy_and_unigram_match_a_direct_computation(tmp_path):
     assert math.exp(logp_V[tok.convert_tokens_to_ids("the")]) == pytest.approx(4.5 / (9 + 0.5 * V))
     assert math.exp(logp_V[tok.convert_tokens_to_ids("ran")]) == pytest.approx(0.5 / (9 + 0.5 * V))
 
-    got = mlm_accuracy(model_dir, held, max_seq_len=16, seed=3, unigram_logp_V=logp_V)
+    got = mlm_accuracy(model_dir, prepare(tok, held, train, max_seq_len=16, seed=3))
     ids = heldout_blocks(tok, held, max_seq_len=16, max_blocks=64)
     m = mask_positions(ids, seed=3)
     model = AutoModelForMaskedLM.from_pretrained(model_dir).eval()

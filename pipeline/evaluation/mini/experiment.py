@@ -200,25 +200,21 @@ def analyse(cfg: MiniConfig, st: Stage, models: dict[str, Path]) -> dict:
     of both languages (pipeline/analyze.py's code), with its figures in OUT/analysis/."""
     from transformers import AutoTokenizer
 
-    from pipeline.evaluation.mini.heldout import mlm_accuracy, unigram_log_probs
+    from pipeline.evaluation.mini.heldout import mlm_accuracy, prepare
     from pipeline.evaluation.representation.report import AnalyzeConfig, run_analysis
 
-    # Every model shares the one joint vocabulary, so one unigram model per language serves them all.
-    tokenizer = AutoTokenizer.from_pretrained(next(iter(models.values())))
-    unigram = {lang: unigram_log_probs(tokenizer, cfg.out / "data" / f"train_{lang}.txt") for lang in D.LANGS}
-    mlm = {
-        label: {
-            lang: mlm_accuracy(
-                path,
-                cfg.out / "data" / f"heldout_{lang}.txt",
-                max_seq_len=cfg.max_seq_len,
-                seed=cfg.seed,
-                unigram_logp_V=unigram[lang],
-            )
-            for lang in D.LANGS
-        }
-        for label, path in models.items()
+    tokenizer = AutoTokenizer.from_pretrained(next(iter(models.values())))  # one joint vocabulary for all
+    held = {
+        lang: prepare(
+            tokenizer,
+            cfg.out / "data" / f"heldout_{lang}.txt",
+            cfg.out / "data" / f"train_{lang}.txt",
+            max_seq_len=cfg.max_seq_len,
+            seed=cfg.seed,
+        )
+        for lang in D.LANGS
     }
+    mlm = {label: {lang: mlm_accuracy(path, held[lang]) for lang in D.LANGS} for label, path in models.items()}
     metrics = run_analysis(
         AnalyzeConfig(
             models=list(models.items()),

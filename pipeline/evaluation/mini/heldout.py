@@ -15,6 +15,7 @@ Shape legend: N blocks, L tokens, V vocabulary.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -60,42 +61,53 @@ def unigram_log_probs(tokenizer, path: Path) -> torch.Tensor:
     return probs_V.log()
 
 
-@torch.no_grad()
-def mlm_accuracy(
-    model_dir: Path,
-    path: Path,
-    *,
-    max_seq_len: int,
-    max_blocks: int = 64,
-    seed: int = 0,
-    unigram_logp_V: torch.Tensor | None = None,
-) -> dict:
-    """{accuracy, floor, masked, cross_entropy[, unigram_cross_entropy]}: top-1 accuracy and mean
-    cross-entropy (nats) at the masked positions, the floor (module doc), and with unigram_logp_V the
-    unigram model's cross-entropy on the same positions."""
-    from transformers import AutoModelForMaskedLM, AutoTokenizer
+@dataclass
+class HeldOut:
+    """One language's held-out positions and what does not depend on the model scored on them."""
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForMaskedLM.from_pretrained(model_dir).eval()
-    ids_NL = heldout_blocks(tokenizer, path, max_seq_len=max_seq_len, max_blocks=max_blocks)
+    ids_NL: torch.Tensor
+    masked_NL: torch.Tensor
+    inputs_NL: torch.Tensor  # ids_NL with [MASK] at masked_NL
+    floor: float
+    unigram_cross_entropy: float
+
+
+def prepare(tokenizer, heldout: Path, train: Path, *, max_seq_len: int, max_blocks: int = 64, seed: int = 0) -> HeldOut:
+    """The held-out blocks and masked positions (module doc), the floor, and the cross-entropy there of
+    a unigram model of the pre-training text `train`. Every model shares the tokenizer, so this is done
+    once per language, not once per model."""
+    ids_NL = heldout_blocks(tokenizer, heldout, max_seq_len=max_seq_len, max_blocks=max_blocks)
     masked_NL = mask_positions(ids_NL, seed=seed)
-    inputs_NL = ids_NL.masked_fill(masked_NL, tokenizer.mask_token_id)
+    gold = ids_NL[masked_NL]
+    most_frequent = int(torch.bincount(ids_NL[:, 1:-1].reshape(-1)).argmax())
+    return HeldOut(
+        ids_NL=ids_NL,
+        masked_NL=masked_NL,
+        inputs_NL=ids_NL.masked_fill(masked_NL, tokenizer.mask_token_id),
+        floor=float((gold == most_frequent).float().mean()),
+        unigram_cross_entropy=float(-unigram_log_probs(tokenizer, train)[gold].mean()),
+    )
+
+
+@torch.no_grad()
+def mlm_accuracy(model_dir: Path, held: HeldOut) -> dict:
+    """{accuracy, floor, masked, cross_entropy, unigram_cross_entropy}: the model's top-1 accuracy and
+    mean cross-entropy (nats) at the held-out masked positions, beside the floor and the unigram's."""
+    from transformers import AutoModelForMaskedLM
+
+    model = AutoModelForMaskedLM.from_pretrained(model_dir).eval()
     correct, nll = 0, 0.0
-    for start in range(0, len(ids_NL), 16):
-        logits_BLV = model(input_ids=inputs_NL[start : start + 16]).logits
-        m_BL = masked_NL[start : start + 16]
-        logits_MV, gold_M = logits_BLV[m_BL].float(), ids_NL[start : start + 16][m_BL]
+    for start in range(0, len(held.ids_NL), 16):
+        logits_BLV = model(input_ids=held.inputs_NL[start : start + 16]).logits
+        m_BL = held.masked_NL[start : start + 16]
+        logits_MV, gold_M = logits_BLV[m_BL].float(), held.ids_NL[start : start + 16][m_BL]
         correct += int((logits_MV.argmax(-1) == gold_M).sum())
         nll += float(torch.nn.functional.cross_entropy(logits_MV, gold_M, reduction="sum"))
-    gold = ids_NL[masked_NL]
-    inner = ids_NL[:, 1:-1].reshape(-1)
-    most_frequent = int(torch.bincount(inner).argmax())
-    out = {
-        "accuracy": correct / len(gold),
-        "floor": float((gold == most_frequent).float().mean()),
-        "masked": len(gold),
-        "cross_entropy": nll / len(gold),
+    masked = int(held.masked_NL.sum())
+    return {
+        "accuracy": correct / masked,
+        "floor": held.floor,
+        "masked": masked,
+        "cross_entropy": nll / masked,
+        "unigram_cross_entropy": held.unigram_cross_entropy,
     }
-    if unigram_logp_V is not None:
-        out["unigram_cross_entropy"] = float(-unigram_logp_V[gold].mean())
-    return out
