@@ -1,6 +1,7 @@
 """The miniature reproduction of TaCL and TACO, from scratch to downstream tasks, on CPU.
 
     python pipeline/reproduce_mini.py --out mini/ [--quick] [--corpora DIR] [--tasks NAME=DIR,...]
+    python pipeline/reproduce_mini.py --out start/ --start_only --start_steps N --curve ...  (the start alone)
 
 A small BERT pre-trained from scratch with MLM on real English and Chinese text (the start), TACO from
 scratch against it, TaCL's two arms continued from it; held-out MLM accuracy, the representation
@@ -32,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
         from pipeline.evaluation.mini.experiment import reproduce
 
         rep = reproduce(effective(cfg))
+        if cfg.start_only:
+            at = rep["left_floor_at"]
+            print(f"[mini] start model: {'left the floor at step ' + str(at) if at else 'did not leave the floor'}")
+            print(f"[mini] report: {cfg.out / 'START.md'} ({rep['wall_s'] / 60:.1f} minutes in this call)")
+            return 0
         for name, v in rep["verdicts"].items():
             if "verdict" in v:
                 print(f"[mini] {name}: {v['verdict']}")

@@ -163,6 +163,33 @@ def test_a_rerun_keeps_the_finished_stages_and_a_changed_knob_reruns_what_depend
     assert rep["runs"] == mini["report"]["runs"] and rep["heldout_mlm"] == mini["report"]["heldout_mlm"]
 
 
+def test_start_only_scores_the_start_at_every_checkpoint_reusing_the_stages(mini, corpora):
+    # --start_only on the same folder and settings: nothing is pre-trained again, and its held-out numbers
+    # are the full report's for the same checkpoints (the same blocks and positions).
+    out, full = mini["out"], mini["report"]
+    stdout = reproduce(out, "--corpora", str(corpora), "--start_only")
+    kept = {line.split()[1].rstrip(":") for line in stdout.splitlines() if line.endswith("same settings)")}
+    assert {"data", "tokenizer", "shards/packed_en", "shards/packed_zh", "runs/mlm"} <= kept, stdout
+    assert "runs/taco" not in stdout and "downstream/" not in stdout, stdout
+    rep = json.loads((out / "start.json").read_text())
+    steps = full["curve_steps"]
+    assert [r["step"] for r in rep["checkpoints"]] == steps
+    for row in rep["checkpoints"]:
+        accs = row["heldout_mlm"]
+        assert accs == full["heldout_mlm"][f"mlm@{row['step']}"]
+        assert row["tokens"] == row["step"] * rep["config"]["micro_batch"] * rep["config"]["max_seq_len"]
+        assert row["left_floor"] == {
+            lang: a["accuracy"] - a["floor"] > 3 * (a["floor"] * (1 - a["floor"]) / a["masked"]) ** 0.5
+            for lang, a in accs.items()
+        }
+    first = [r["step"] for r in rep["checkpoints"] if all(r["left_floor"].values())]
+    assert rep["left_floor_at"] == (first[0] if first else None)
+    md = (out / "START.md").read_text(encoding="utf-8")
+    assert all(f"| {s} |" in md for s in steps) and "start_loss.png" in md
+    assert_png(out / "start_loss.png")
+    assert "[mini] start model:" in stdout
+
+
 def test_bad_flags_are_one_line_errors(tmp_path, corpora):
     for args, needle in (
         (["--tasks", "nope=/x"], "unknown task 'nope'"),

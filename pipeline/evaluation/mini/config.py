@@ -79,6 +79,11 @@ class MiniConfig:
         parse=parse_tasks,
     )
     quick: bool = knob(False, "tiny settings: the same pipeline in a few minutes (tests)")
+    start_only: bool = knob(
+        False,
+        "stop after the start model: score its held-out MLM accuracy at every --curve checkpoint (OUT/START.md), "
+        "to find the --start_steps that leave the floor",
+    )
     # Text and tokenizer.
     en_mb: float = knob(6.0, "MB of English text for pre-training")
     zh_mb: float = knob(6.0, "MB of Chinese text for pre-training")
@@ -158,7 +163,7 @@ class MiniConfig:
                     f"--corpora {self.corpora}: no {lang}/*.txt (BERT-format text: a sentence or paragraph a "
                     f"line, a blank line after each document)"
                 )
-        for name, folder in self.task_list:
+        for name, folder in [] if self.start_only else self.task_list:
             if not folder.is_dir():
                 raise UsageError(f"--tasks: {name}={folder}: no such folder")
 

@@ -104,7 +104,7 @@ def reproduce(cfg: MiniConfig, *, say=print) -> dict:
     tok_s = {**text_s, "vocab_size": cfg.vocab_size}
     tok = stage("tokenizer", tok_s, lambda st: D.train_tokenizer(cfg, st, cfg.out / "data"))
     shards: dict[str, Path] = {}
-    for fmt in ("packed", "nsp"):
+    for fmt in ("packed",) if cfg.start_only else ("packed", "nsp"):
         for lang in D.LANGS:
             name = f"shards/{fmt}_{lang}"
             stage(
@@ -121,7 +121,7 @@ def reproduce(cfg: MiniConfig, *, say=print) -> dict:
     model_config = cfg.out / "bert_config.json"
     model_config.write_text(json.dumps(cfg.bert_config(tok["vocab_size"]), indent=1))
     runs: dict[str, dict] = {}
-    for objective in ("mlm", "taco"):
+    for objective in ("mlm",) if cfg.start_only else ("mlm", "taco"):
 
         def scratch(st: Stage, objective=objective) -> dict:
             summary = R.pretrain(
@@ -133,6 +133,17 @@ def reproduce(cfg: MiniConfig, *, say=print) -> dict:
             return {**summary, "checkpoints": {str(k): str(v) for k, v in exported.items()}}
 
         runs[objective] = stage(f"runs/{objective}", {**model_s, "objective": objective}, scratch)
+
+    if cfg.start_only:
+        checkpoints = {int(k): Path(v) for k, v in runs["mlm"]["checkpoints"].items()}
+        floor = stage(
+            "start_floor",
+            {**model_s, "heldout": ["accuracy", "cross_entropy", "unigram"]},
+            lambda st: {"heldout_mlm": {str(k): v for k, v in heldout_scores(cfg, checkpoints).items()}},
+        )
+        return report.write_start_report(
+            cfg, text=text, run=runs["mlm"], heldout=floor["heldout_mlm"], timings=timings, wall_s=time.time() - t0
+        )
 
     # 4. TaCL's two arms from the start model, on NSP shards (NSP on in both, as in the paper).
     start = cfg.out / "runs" / "mlm" / "export"
@@ -198,23 +209,9 @@ def reproduce(cfg: MiniConfig, *, say=print) -> dict:
 def analyse(cfg: MiniConfig, st: Stage, models: dict[str, Path]) -> dict:
     """Held-out MLM accuracy per model and language; the representation analysis on held-out sentences
     of both languages (pipeline/analyze.py's code), with its figures in OUT/analysis/."""
-    from transformers import AutoTokenizer
-
-    from pipeline.evaluation.mini.heldout import mlm_accuracy, prepare
     from pipeline.evaluation.representation.report import AnalyzeConfig, run_analysis
 
-    tokenizer = AutoTokenizer.from_pretrained(next(iter(models.values())))  # one joint vocabulary for all
-    held = {
-        lang: prepare(
-            tokenizer,
-            cfg.out / "data" / f"heldout_{lang}.txt",
-            cfg.out / "data" / f"train_{lang}.txt",
-            max_seq_len=cfg.max_seq_len,
-            seed=cfg.seed,
-        )
-        for lang in D.LANGS
-    }
-    mlm = {label: {lang: mlm_accuracy(path, held[lang]) for lang in D.LANGS} for label, path in models.items()}
+    mlm = heldout_scores(cfg, models)
     metrics = run_analysis(
         AnalyzeConfig(
             models=list(models.items()),
@@ -233,6 +230,27 @@ def analyse(cfg: MiniConfig, st: Stage, models: dict[str, Path]) -> dict:
         "last_layer": {label: m["last_layer"] for label, m in metrics["models"].items()},
         "figures": {k: str(st.dir / v) for k, v in metrics["figures"].items()},
     }
+
+
+def heldout_scores(cfg: MiniConfig, models: dict) -> dict:
+    """{label: {lang: mlm_accuracy}}: every model's held-out MLM accuracy and cross-entropy (heldout.py),
+    on the same blocks and positions per language."""
+    from transformers import AutoTokenizer
+
+    from pipeline.evaluation.mini.heldout import mlm_accuracy, prepare
+
+    tokenizer = AutoTokenizer.from_pretrained(next(iter(models.values())))  # one joint vocabulary for all
+    held = {
+        lang: prepare(
+            tokenizer,
+            cfg.out / "data" / f"heldout_{lang}.txt",
+            cfg.out / "data" / f"train_{lang}.txt",
+            max_seq_len=cfg.max_seq_len,
+            seed=cfg.seed,
+        )
+        for lang in D.LANGS
+    }
+    return {label: {lang: mlm_accuracy(path, held[lang]) for lang in D.LANGS} for label, path in models.items()}
 
 
 def finetune(cfg: MiniConfig, model: Path, tasks: list[tuple[str, Path]], *, label: str) -> dict:

@@ -408,3 +408,97 @@ def write_report(
     (cfg.out / "report.json").write_text(json.dumps(rep, indent=1, ensure_ascii=False, default=str))
     (cfg.out / "README.md").write_text(markdown(rep), encoding="utf-8")
     return rep
+
+
+def write_start_report(cfg: MiniConfig, *, text: dict, run: dict, heldout: dict, timings: dict, wall_s: float) -> dict:
+    """--start_only: OUT/start.json and OUT/START.md, the start model's held-out MLM accuracy and
+    cross-entropy at every checkpoint, and the first checkpoint that left the floor in every language."""
+    from pipeline.training.curves import plot_runs
+
+    minutes = timings["runs/mlm"] / 60
+    rows = []
+    for step in cfg.curve_steps():
+        accs = heldout[str(step)]
+        rows.append(
+            {
+                "step": step,
+                "tokens": step * cfg.micro_batch * cfg.max_seq_len,
+                # The run's pace is steady, so its minutes scale with the steps (checkpoint saves included).
+                "minutes": minutes * step / cfg.start_steps,
+                "left_floor": {lang: left_floor(a) for lang, a in accs.items()},
+                "heldout_mlm": accs,
+            }
+        )
+    first = next((r["step"] for r in rows if all(r["left_floor"].values())), None)
+    plot_runs([str(cfg.out / "runs" / "mlm" / "run")], str(cfg.out / "start_loss.png"), title="the start model")
+    rep = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        "text": text,
+        "run": run,
+        "checkpoints": rows,
+        "left_floor_at": first,
+        "timings_s": timings,
+        "budget_minutes": budget(timings),
+        "wall_s": round(wall_s, 1),
+    }
+    rep["config"].pop("tasks")
+    (cfg.out / "start.json").write_text(json.dumps(rep, indent=1, ensure_ascii=False, default=str))
+    (cfg.out / "START.md").write_text(start_markdown(rep), encoding="utf-8")
+    return rep
+
+
+def start_markdown(rep: dict) -> str:
+    cfg, rows = rep["config"], rep["checkpoints"]
+    langs = list(rows[0]["heldout_mlm"])
+    first = rep["left_floor_at"]
+    masked = _masked(rows[0]["heldout_mlm"])
+    verdict = (
+        f"left the floor in every language at step {first} (the first checkpoint where it had)"
+        if first is not None
+        else f"had not left the floor in every language by step {rows[-1]['step']}"
+    )
+    L = [
+        "# The start model of the miniature, checkpoint by checkpoint",
+        "",
+        f"MLM from scratch, {cfg['layers']} layers x {cfg['hidden']}, {cfg['start_steps']} steps of "
+        f"{cfg['micro_batch']} x {cfg['max_seq_len']} tokens, lr {cfg['lr']} ({cfg['warmup_share']:.0%} warm-up, "
+        f"then linear decay to 0 at step {cfg['start_steps']}), {rep['run']['tokens_per_s']:,.0f} tokens/s: "
+        f"{rep['timings_s']['runs/mlm'] / 60:.1f} minutes. It {verdict}.",
+        "",
+        f"Left the floor: above it by more than {FLOOR_SE} binomial standard errors over {masked} held-out masked "
+        "positions; the floor is always predicting the held-out text's most frequent token. Cross-entropy (nats) "
+        "at the same positions, beside a unigram model of the pre-training text: below it, the model uses context.",
+        "",
+        "| step | tokens | minutes | "
+        + " | ".join(f"acc {x} (floor) | left {x} | CE {x} (unigram)" for x in langs)
+        + " |",
+        "|---" * (3 + 3 * len(langs)) + "|",
+    ]
+    for r in rows:
+        cells = []
+        for lang in langs:
+            a = r["heldout_mlm"][lang]
+            cells += [
+                f"{a['accuracy']:.3f} ({a['floor']:.3f})",
+                "yes" if r["left_floor"][lang] else "no",
+                f"{a['cross_entropy']:.2f} ({a['unigram_cross_entropy']:.2f})",
+            ]
+        L.append(f"| {r['step']} | {r['tokens'] / 1e6:.1f}M | {r['minutes']:.1f} | " + " | ".join(cells) + " |")
+    L += [
+        "",
+        "Loss curve: ![the start model](start_loss.png)",
+        "",
+        "## Text",
+        "",
+        "```",
+        json.dumps(rep["text"], indent=1),
+        "```",
+        "",
+        "## Settings",
+        "",
+        "```",
+        json.dumps(cfg, indent=1),
+        "```",
+        "",
+    ]
+    return "\n".join(L)
