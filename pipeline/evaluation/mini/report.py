@@ -356,7 +356,7 @@ def reference_name(path) -> str | None:
 def budget(timings: dict) -> dict:
     """Minutes per part of the experiment."""
     parts = {"text, vocabulary, shards": ("data", "tokenizer", "shards/"), "pre-training": ("runs/",),
-             "analysis": ("analysis",), "fine-tuning": ("downstream/",)}  # fmt: skip
+             "analysis": ("analysis", "start_floor"), "fine-tuning": ("downstream/",)}  # fmt: skip
     out = {name: sum(v for k, v in timings.items() if k.startswith(prefixes)) / 60 for name, prefixes in parts.items()}
     out["total"] = sum(out.values())
     return out
