@@ -135,11 +135,11 @@ def reproduce(cfg: MiniConfig, *, say=print) -> dict:
         runs[objective] = stage(f"runs/{objective}", {**model_s, "objective": objective}, scratch)
 
     if cfg.start_only:
-        checkpoints = {int(k): Path(v) for k, v in runs["mlm"]["checkpoints"].items()}
+        checkpoints = {step: Path(path) for step, path in runs["mlm"]["checkpoints"].items()}
         floor = stage(
             "start_floor",
             {**model_s, "heldout": ["accuracy", "cross_entropy", "unigram"]},
-            lambda st: {"heldout_mlm": {str(k): v for k, v in heldout_scores(cfg, checkpoints).items()}},
+            lambda st: {"heldout_mlm": heldout_scores(cfg, checkpoints)},
         )
         return report.write_start_report(
             cfg, text=text, run=runs["mlm"], heldout=floor["heldout_mlm"], timings=timings, wall_s=time.time() - t0

@@ -353,6 +353,13 @@ def reference_name(path) -> str | None:
     return f"{path} (given with --reference_model)"
 
 
+def config_json(cfg: MiniConfig) -> dict:
+    """The settings as the reports write them: paths as text, the tasks actually run."""
+    out = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
+    out["tasks"] = [[n, str(p)] for n, p in cfg.task_list]
+    return out
+
+
 def budget(timings: dict) -> dict:
     """Minutes per part of the experiment."""
     parts = {"text, vocabulary, shards": ("data", "tokenizer", "shards/"), "pre-training": ("runs/",),
@@ -383,7 +390,7 @@ def write_report(
     first = next(iter(downstream.values()))["tasks"]
     start = analysis["heldout_mlm"][f"mlm@{steps[-1]}"]
     rep = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        "config": config_json(cfg),
         "tasks": tasks,
         "curve_steps": steps,
         "text": text,
@@ -403,7 +410,6 @@ def write_report(
         "budget_minutes": budget(timings),
         "wall_s": round(wall_s, 1),
     }
-    rep["config"]["tasks"] = [[n, str(p)] for n, p in cfg.task_list]
     rep["timings"] = timings
     (cfg.out / "report.json").write_text(json.dumps(rep, indent=1, ensure_ascii=False, default=str))
     (cfg.out / "README.md").write_text(markdown(rep), encoding="utf-8")
@@ -432,7 +438,7 @@ def write_start_report(cfg: MiniConfig, *, text: dict, run: dict, heldout: dict,
     first = next((r["step"] for r in rows if all(r["left_floor"].values())), None)
     plot_runs([str(cfg.out / "runs" / "mlm" / "run")], str(cfg.out / "start_loss.png"), title="the start model")
     rep = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        "config": {k: v for k, v in config_json(cfg).items() if k != "tasks"},
         "text": text,
         "run": run,
         "checkpoints": rows,
@@ -441,7 +447,6 @@ def write_start_report(cfg: MiniConfig, *, text: dict, run: dict, heldout: dict,
         "budget_minutes": budget(timings),
         "wall_s": round(wall_s, 1),
     }
-    rep["config"].pop("tasks")
     (cfg.out / "start.json").write_text(json.dumps(rep, indent=1, ensure_ascii=False, default=str))
     (cfg.out / "START.md").write_text(start_markdown(rep), encoding="utf-8")
     return rep
