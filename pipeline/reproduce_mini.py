@@ -13,6 +13,7 @@ pipeline/evaluation/mini/experiment.py.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ if __package__ in (None, ""):  # run as a script: import the repository's packag
     sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 from pipeline import cli  # noqa: E402
-from pipeline.evaluation.mini.config import MiniConfig, effective  # noqa: E402
+from pipeline.evaluation.mini.config import MiniConfig, effective, native_precision  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,8 +32,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> int:
         from pipeline.evaluation.mini.experiment import reproduce
+        from pipeline.hardware import cpu_bf16_native
 
-        rep = reproduce(effective(cfg))
+        on_cpu = os.environ.get("DS_ACCELERATOR", "cpu") == "cpu"
+        run_cfg, notes = native_precision(effective(cfg), bf16_native=cpu_bf16_native(), pretrain_on_cpu=on_cpu)
+        for note in notes:
+            print(f"[mini] {note}")
+        rep = reproduce(run_cfg)
         if cfg.start_only:
             at = rep["left_floor_at"]
             print(f"[mini] start model: {'left the floor at step ' + str(at) if at else 'did not leave the floor'}")

@@ -39,6 +39,7 @@ from pipeline.data.collator import MaskingCollator
 from pipeline.data.loader import build_loader, shutdown_loader
 from pipeline.data.masking import MaskingSpec
 from pipeline.data.shards import run_key
+from pipeline.hardware import slow_bf16_reason
 from pipeline.modeling.encoder import Encoder
 from pipeline.training import checkpoint, log, state
 from pipeline.training.config import RECORD_KEYS
@@ -176,6 +177,12 @@ def setup(prep: Prepared, *, batches: Optional[Any] = None) -> Run:
     # Batch and precision as the engine resolved them (the JSON is their only owner).
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     dtype, device = engine_dtype(engine), engine.device
+    if dtype == torch.bfloat16 and (why := slow_bf16_reason(device)):
+        # The JSON owns precision, so the run keeps bf16; it says once what that costs here.
+        log.warning(
+            f"bf16 on {device}: {why}. For a CPU run set bf16.enabled to false in "
+            f"--ds_config {cfg.run.ds_config} (deepspeed_configs/demo.json is an fp32 config)"
+        )
     if teacher is not None:
         teacher = teacher.to(device=device, dtype=dtype)
         check_teacher(teacher, student)

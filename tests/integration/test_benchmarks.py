@@ -113,3 +113,12 @@ def test_bench_unpadded_quick(tmp_path):
 def test_bench_shards_quick(tmp_path):
     report = _run(["pipeline.bench.shards", "--mb", "8", "--rounds", "1"], tmp_path)
     assert report["shard_bytes"] > 4e6 and report["hash_gb_per_s"] > 0
+
+
+def test_bench_precision_quick(tmp_path):
+    """Each precision is timed, and the JSON says whether this CPU runs bf16 natively."""
+    report = _run(["pipeline.bench.precision", "--quick", "--threads", "1"], tmp_path)
+    assert set(report["step_s"]) == {"fp32", "bf16_weights", "bf16_autocast"}
+    assert all(s > 0 for s in report["step_s"].values())
+    assert isinstance(report["cpu_bf16_native"], bool)
+    assert report["bf16_weights_over_fp32"] == round(report["step_s"]["bf16_weights"] / report["step_s"]["fp32"], 2)

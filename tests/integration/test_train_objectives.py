@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.hardware import cpu_bf16_native
 from tests.support import logs
 from tests.support.trainer import (
     explain,
@@ -118,6 +119,19 @@ def test_objective_trains_and_logs_every_field(objective, tmp_path_factory, shar
         "dtype": "bfloat16",
         "device": "cpu",
     }
+
+
+def test_bf16_on_a_cpu_without_native_bf16_warns_once(tmp_path_factory, shards, ds):
+    """The JSON owns precision, so the bf16 run stays bf16; where this CPU has no native bf16 the
+    trainer says once (rank 0) what that costs and which flag fixes it, and elsewhere says nothing."""
+    save = _run("mlm", tmp_path_factory, shards, ds)
+    out = (save.parent / "launcher.log").read_text()
+    warned = [line for line in out.splitlines() if "has no native bf16" in line]
+    if cpu_bf16_native():
+        assert warned == []
+    else:
+        assert len(warned) == 1, warned
+        assert "WARNING r0" in warned[0] and f"--ds_config {ds}" in warned[0], warned[0]
 
 
 def test_mixing_weights_draw_from_both_languages(tmp_path_factory, shards, ds):

@@ -39,8 +39,11 @@ from pipeline.evaluation.downstream.tasks import (
     read_tagging_task,
 )
 from pipeline.evaluation.models import resolve_device
+from pipeline.hardware import slow_bf16_reason
 from pipeline.modeling.param_groups import param_groups
 from preprocessing.errors import UsageError
+
+_WARNED: set[str] = set()  # slow-bf16 warnings already given in this process
 
 
 def _seeds(text: str) -> tuple[int, ...]:
@@ -69,7 +72,7 @@ class FinetuneConfig:
     max_train_samples: Optional[int] = knob(None, "use only the first N training examples (quick runs)")
     max_eval_samples: Optional[int] = knob(None, "use only the first N examples of each eval split")
     device: str = knob("auto", "auto (cuda when available), cpu, cuda, ...")
-    bf16: bool = knob(False, "bf16 autocast (GPU)")
+    bf16: bool = knob(False, "bf16 autocast (GPU, or a CPU with AVX-512; elsewhere far slower than fp32)")
     max_skipped_share: float = knob(
         0.01, "fail when a split skips more than this share of its rows (too few columns, unknown labels)"
     )
@@ -376,6 +379,9 @@ def evaluate_model(
         raise UsageError(f"--model {model_dir}: not a Hugging Face model folder (no config.json)")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     device = resolve_device(cfg.device)
+    if cfg.bf16 and (why := slow_bf16_reason(device)) and why not in _WARNED:
+        _WARNED.add(why)  # once per process, not once per model
+        print(f"warning: --bf16 on {device}: {why}; drop --bf16 here", file=sys.stderr)
     results = {}
     for name, folder in tasks:
         task = prepare_task(name, folder=folder, tokenizer=tokenizer, cfg=cfg)

@@ -240,3 +240,27 @@ def effective(cfg: MiniConfig) -> MiniConfig:
     defaults = {f.name: f.default for f in fields(MiniConfig)}
     assert set(QUICK) <= set(defaults)
     return replace(cfg, **{k: v for k, v in QUICK.items() if getattr(cfg, k) == defaults[k]})
+
+
+def native_precision(
+    cfg: MiniConfig, *, bf16_native: bool, pretrain_on_cpu: bool = True
+) -> tuple[MiniConfig, list[str]]:
+    """cfg with bf16 turned to fp32 where this CPU has no native bf16 (pipeline.hardware), and the
+    notes that say so. Fine-tuning always runs on the CPU; pre-training does unless DS_ACCELERATOR
+    names another device. Without AVX-512, bf16 runs about 25x slower than fp32, which no 90-minute
+    budget survives; the numbers then differ from a bf16 run's, and the report's settings say fp32."""
+    if bf16_native:
+        return cfg, []
+    changes = {}
+    if cfg.bf16 and pretrain_on_cpu:
+        changes["bf16"] = False
+    if cfg.ft_bf16:
+        changes["ft_bf16"] = False
+    if not changes:
+        return cfg, []
+    what = " and ".join({"bf16": "pre-training", "ft_bf16": "fine-tuning"}[k] for k in changes)
+    note = (
+        f"{what} in fp32, not bf16: this CPU has no native bf16 (no AVX-512), where bf16 runs about 25x "
+        "slower than fp32; the scores will differ from a bf16 run's (the report's settings say which ran)"
+    )
+    return replace(cfg, **changes), [note]

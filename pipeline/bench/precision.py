@@ -1,0 +1,103 @@
+"""bf16 against fp32 on this machine's CPU (JSON out): one training step of a BERT with the
+masked-only MLM head (forward, backward, AdamW) in fp32, in bf16 weights (what a DeepSpeed bf16
+config does) and in fp32 weights under bf16 autocast (what `finetune.py --bf16` does).
+
+    python -m pipeline.bench.precision [--quick] [--layers 4 --hidden 256 --micro 32 --seq_len 128]
+
+Random tokens, 15% of positions masked: the point is the arithmetic's speed, not the loss. Where
+`pipeline.hardware.cpu_bf16_native()` is False (no AVX-512), bf16 runs on reference kernels; this
+measures by how much, and is what `pipeline/hardware.py`'s figures come from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Optional
+
+from pipeline.bench.common import emit_json
+
+MODES = ("fp32", "bf16_weights", "bf16_autocast")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="2 layers x 64, micro-batch 4 x 32, 1 step: a smoke run")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=16000)
+    p.add_argument("--micro", type=int, default=32)
+    p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per mode (after one warm-up step)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", help="also write the JSON here")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.layers, a.hidden, a.vocab, a.micro, a.seq_len, a.steps = 2, 64, 1000, 4, 32, 1
+    import torch
+    from transformers import BertConfig, BertForPreTraining
+
+    from pipeline.hardware import cpu_bf16_native
+    from pipeline.modeling.student import Student
+
+    torch.set_num_threads(a.threads)
+    cfg = BertConfig(
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        num_hidden_layers=a.layers,
+        num_attention_heads=max(1, a.hidden // 64),
+        intermediate_size=4 * a.hidden,
+        max_position_embeddings=max(512, a.seq_len),
+    )
+    cfg._attn_implementation = "sdpa"
+    gen = torch.Generator().manual_seed(0)
+    ids_BL = torch.randint(5, a.vocab, (a.micro, a.seq_len), generator=gen)
+    masked_BL = torch.rand(a.micro, a.seq_len, generator=gen) < 0.15
+    types_BL, attn_BL = torch.zeros_like(ids_BL), torch.ones_like(ids_BL)
+
+    def step_s(student, opt, *, autocast: bool) -> float:
+        t = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = student(ids_BL, types_BL, attn_BL, masked_BL)
+        loss = torch.nn.functional.cross_entropy(out["mlm_logits"].float(), ids_BL[masked_BL])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t
+
+    seconds: dict[str, float] = {}
+    for mode in MODES:
+        torch.manual_seed(0)
+        net = BertForPreTraining(cfg)
+        if mode == "bf16_weights":
+            net = net.to(torch.bfloat16)
+        student = Student(net).train()
+        opt = torch.optim.AdamW(student.parameters(), lr=1e-4)
+        step_s(student, opt, autocast=mode == "bf16_autocast")  # warm-up
+        seconds[mode] = statistics.median(
+            step_s(student, opt, autocast=mode == "bf16_autocast") for _ in range(a.steps)
+        )
+    tokens = a.micro * a.seq_len
+    emit_json(
+        {
+            "benchmark": "precision",
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_bf16_native": cpu_bf16_native(),
+            "threads": a.threads,
+            "model": f"{a.layers} layers x {a.hidden}, vocabulary {a.vocab}, masked-only MLM head",
+            "micro_batch": f"{a.micro} x {a.seq_len}",
+            "step_s": {m: round(s, 4) for m, s in seconds.items()},
+            "tokens_per_s": {m: round(tokens / s, 1) for m, s in seconds.items()},
+            "bf16_weights_over_fp32": round(seconds["bf16_weights"] / seconds["fp32"], 2),
+            "bf16_autocast_over_fp32": round(seconds["bf16_autocast"] / seconds["fp32"], 2),
+        },
+        a.out,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
