@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from pipeline.hardware import cpu_bf16_native
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.multiproc]
@@ -81,6 +82,7 @@ def test_bench_train_quick(tmp_path):
     report = _run(["pipeline.bench.train", "--quick", "--work_dir", str(tmp_path / "w")], tmp_path)
     assert set(report["ratios"]) == {"tacl_over_mlm", "taco_over_mlm", "masked_over_full_head", "loader_over_trainer"}
     assert all(value > 0 for value in report["ratios"].values())
+    assert report["setup"]["cpu_bf16_native"] == cpu_bf16_native()  # read the ratios knowing which
 
 
 @pytest.mark.corpora
