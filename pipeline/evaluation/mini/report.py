@@ -467,7 +467,8 @@ def start_markdown(rep: dict) -> str:
         "",
         f"MLM from scratch, {cfg['layers']} layers x {cfg['hidden']}, {cfg['start_steps']} steps of "
         f"{cfg['micro_batch']} x {cfg['max_seq_len']} tokens, lr {cfg['lr']} ({cfg['warmup_share']:.0%} warm-up, "
-        f"then linear decay to 0 at step {cfg['start_steps']}), {rep['run']['tokens_per_s']:,.0f} tokens/s: "
+        f"then linear decay to 0 at step {cfg['start_steps']}), {'bf16' if cfg['bf16'] else 'fp32'}, "
+        f"{rep['run']['tokens_per_s']:,.0f} tokens/s: "
         f"{rep['timings_s']['runs/mlm'] / 60:.1f} minutes. It {verdict}.",
         "",
         f"Left the floor: above it by more than {FLOOR_SE} binomial standard errors over {masked} held-out masked "
