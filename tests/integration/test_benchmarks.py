@@ -123,4 +123,6 @@ def test_bench_precision_quick(tmp_path):
     assert set(report["step_s"]) == {"fp32", "bf16_weights", "bf16_autocast"}
     assert all(s > 0 for s in report["step_s"].values())
     assert isinstance(report["cpu_bf16_native"], bool)
-    assert report["bf16_weights_over_fp32"] == round(report["step_s"]["bf16_weights"] / report["step_s"]["fp32"], 2)
+    # The printed step times are rounded, so the ratio recomputed from them agrees only to rounding.
+    ratio = report["step_s"]["bf16_weights"] / report["step_s"]["fp32"]
+    assert report["bf16_weights_over_fp32"] == pytest.approx(ratio, rel=0.02)
