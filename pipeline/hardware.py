@@ -25,7 +25,7 @@ def slow_bf16_reason(device: torch.device | str, *, native: bool | None = None) 
     that runs bf16 natively). `native` overrides the CPU probe (tests)."""
     if torch.device(device).type != "cpu":
         return None
-    if native if native is not None else cpu_bf16_native():
+    if cpu_bf16_native() if native is None else native:
         return None
     return (
         f"this CPU has no native bf16 (PyTorch dispatches to {torch.backends.cpu.get_cpu_capability()}; "

@@ -251,6 +251,8 @@ def native_precision(
     budget survives; the numbers then differ from a bf16 run's, and the report's settings say fp32."""
     if bf16_native:
         return cfg, []
+    from pipeline.hardware import slow_bf16_reason  # torch: not at import, so --help and flag errors stay fast
+
     changes = {}
     if cfg.bf16 and pretrain_on_cpu:
         changes["bf16"] = False
@@ -260,7 +262,7 @@ def native_precision(
         return cfg, []
     what = " and ".join({"bf16": "pre-training", "ft_bf16": "fine-tuning"}[k] for k in changes)
     note = (
-        f"{what} in fp32, not bf16: this CPU has no native bf16 (no AVX-512), where bf16 runs about 25x "
-        "slower than fp32; the scores will differ from a bf16 run's (the report's settings say which ran)"
+        f"{what} in fp32, not bf16: {slow_bf16_reason('cpu', native=False)}; the scores will differ from a "
+        "bf16 run's (the report's settings say which ran)"
     )
     return replace(cfg, **changes), [note]
