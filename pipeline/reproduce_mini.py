@@ -13,7 +13,6 @@ pipeline/evaluation/mini/experiment.py.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -31,10 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg, _ = cli.parse_into(p, MiniConfig, argv)
 
     def run() -> int:
-        from pipeline.evaluation.mini.experiment import reproduce
+        from pipeline.evaluation.mini.experiment import child_env, reproduce
         from pipeline.hardware import cpu_bf16_native
 
-        on_cpu = os.environ.get("DS_ACCELERATOR", "cpu") == "cpu"
+        on_cpu = child_env()["DS_ACCELERATOR"] == "cpu"  # the accelerator the pre-training runs will get
         run_cfg, notes = native_precision(effective(cfg), bf16_native=cpu_bf16_native(), pretrain_on_cpu=on_cpu)
         for note in notes:
             print(f"[mini] {note}")
