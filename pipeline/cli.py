@@ -46,7 +46,8 @@ def knob(
     (e.g. `--taco_no_detach` for `taco_detach`); `required`: must come from the command line or a
     --config file; `math`: changing it changes what a run computes (a resumed run refuses the change);
     `parse`: the argparse type for values that are not plain int/float/str; `repeat`: the flag may be
-    given several times, each adding one element to a list.
+    given several times, each adding one element to a list; `choices`: a tuple, or a function returning
+    one when the parser is built.
     """
     meta = {
         "help": help,
@@ -100,7 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls
                 kwargs["action"] = "append"
             kwargs["type"] = m["parse"] or (base if base in (int, float) else str)
             if m["choices"]:
-                kwargs["choices"] = m["choices"]
+                # A callable gives the choices known when the parser is built (the objectives' registry).
+                kwargs["choices"] = m["choices"]() if callable(m["choices"]) else m["choices"]
             if m["metavar"]:
                 kwargs["metavar"] = m["metavar"]
         parser.add_argument(flag_of(f), **kwargs)

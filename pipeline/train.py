@@ -8,7 +8,9 @@ other ranks then fail within --dist_timeout_s). The logic is in pipeline/trainin
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: import the repository's packages, not this folder's modules
     _HERE = Path(__file__).resolve().parent
@@ -17,7 +19,9 @@ if __package__ in (None, ""):  # run as a script: import the repository's packag
 from pipeline import cli  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, hooks: Sequence[Any] = ()) -> int:
+    """The entry point; `hooks`: loss hooks for every step (pipeline.training.step.LossHook)."""
+
     def run() -> int:
         from pipeline.training import config, preflight, trainer
 
@@ -25,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.print_config:
             print(config.describe_json(cfg))
             return 0
-        return trainer.train(preflight.prepare(cfg))
+        return trainer.train(preflight.prepare(cfg), hooks=hooks)
 
     return cli.run(run, prog="train.py")
 

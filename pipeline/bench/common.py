@@ -16,6 +16,7 @@ import torch
 
 from pipeline import distributed
 from pipeline.training.metrics import Meter
+from pipeline.training.step import Batches, train_step
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE_CORPUS = REPO / "preprocessing" / "sample_corpus"
@@ -109,13 +110,12 @@ class Variant:
         from pipeline.training.config import parse_args
 
         distributed.single_process_env()
-        self.trainer = trainer
         self.run = trainer.setup(preflight.prepare(parse_args(list(argv))))
-        self.batches = trainer.Batches(self.run.loader)
+        self.batches = Batches(self.run.loader)
         self.rounds: list[dict[str, float]] = []
         self.run.engine.train()
         for _ in range(warmup):
-            trainer.train_step(self.run, self.batches, self._meter())
+            train_step(self.run.program, self.run.state, self.batches, self._meter())
 
     def _meter(self) -> Meter:
         return Meter(["loss"], self.run.device)
@@ -125,7 +125,7 @@ class Variant:
         _sync(self.run.device)
         t0 = time.perf_counter()
         for _ in range(steps):
-            self.trainer.train_step(self.run, self.batches, meter)
+            train_step(self.run.program, self.run.state, self.batches, meter)
         _sync(self.run.device)
         elapsed = time.perf_counter() - t0
         loss = float(meter.sums[0]) / max(float(meter.sums[-1]), 1.0)

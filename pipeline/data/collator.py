@@ -17,7 +17,8 @@ Out (torch tensors; the model's token rows are [B, L] flattened, or the T stream
   masked_index_N: the masked tokens among the model's rows; masked_grid_index_N: the same in the grid;
   unmasked_grid_index: the real tokens that are not masked, in the grid
   mlm_labels_N: their original ids; sample_ids_B; nsp_labels_B (NSP)
-  and host values: layout, num_sequences, num_tokens, num_masked, max_len, sum_len_sq.
+  and host values: layout, num_sequences (what attention sees as sequences), num_samples (the samples
+  read), num_tokens, num_masked, max_len, sum_len_sq.
 
 Legend: B sequences, L the longest sequence of the batch, T real tokens, N masked positions.
 """
@@ -94,6 +95,7 @@ class MaskingCollator:
             "mlm_labels": torch.from_numpy(ids_BL.ravel()[masked_grid_N]),
             "sample_ids": torch.from_numpy(keys.sample_id_B.copy()),
             "num_sequences": B,
+            "num_samples": B,
             "num_tokens": int(lengths_B.sum()),
             "num_masked": len(masked_grid_N),
             "max_len": L,

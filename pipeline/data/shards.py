@@ -339,25 +339,3 @@ def inspect_data(
         verified_bytes=sum(n for _, n in inspected),
         verify_s=time.perf_counter() - t0,
     )
-
-
-def check_objective_against_data(objective: str, *, nsp: str, fmt: str, paths: Sequence[str]) -> bool:
-    """Whether NSP runs, after checking the objective against the shard format.
-
-    TaCL trains on NSP pairs (MLM + NSP + TaCL); it refuses packed shards unless --nsp off. TACO's
-    positives and negatives assume packed blocks without padding; it refuses nsp shards.
-    """
-    where = ", ".join(paths)
-    if objective == "tacl" and fmt != "nsp" and nsp != "off":
-        raise UsageError(
-            f"--objective tacl trains on NSP pairs, but --data {where} holds {fmt} shards: build "
-            f"them with --format nsp, or pass --nsp off to run TaCL without NSP"
-        )
-    if objective == "taco" and fmt != "packed":
-        raise UsageError(
-            f"--objective taco trains on packed blocks, but --data {where} holds {fmt} shards: "
-            f"build them with --format packed"
-        )
-    if nsp == "on" and fmt != "nsp":
-        raise UsageError(f"--nsp on needs nsp shards, but --data {where} holds {fmt} shards")
-    return fmt == "nsp" and nsp != "off"

@@ -24,20 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from pipeline import cli
+from pipeline import cli, objectives
 from pipeline.modeling.bert_config import PRESETS
 from preprocessing.errors import UsageError
 
-OBJECTIVES = ("tacl", "taco", "mlm")
 MODEL_PRESETS = tuple(PRESETS)
-
-# docs/objectives.md, per objective. warmup: a fraction of max_steps (TaCL: 10%) or a step count
-# (TACO: 10k steps for base; BERT: 10k). Every objective uses lr 1e-4 with linear decay.
-PAPER_DEFAULTS: dict[str, dict[str, Any]] = {
-    "tacl": {"lr": 1e-4, "warmup_ratio": 0.10, "warmup_steps": None, "nsp": "on"},
-    "taco": {"lr": 1e-4, "warmup_ratio": None, "warmup_steps": 10_000, "nsp": "off"},
-    "mlm": {"lr": 1e-4, "warmup_ratio": None, "warmup_steps": 10_000, "nsp": "auto"},
-}
 
 
 def _positive_floats(text: str) -> list[float]:
@@ -66,13 +57,6 @@ def _report_targets(text: str) -> tuple[str, ...]:
     return names
 
 
-def _int_tuple(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
 @dataclass
 class ModelArgs:
     """Which student to build: a preset/JSON config from scratch, or a pre-trained HF folder."""
@@ -93,6 +77,11 @@ class ModelArgs:
     )
     compile: str = cli.knob(
         "auto", "torch.compile the encoder layers; auto = on CUDA", choices=("auto", "on", "off"), math=False
+    )
+    attention_dropout: float = cli.knob(
+        0.0,
+        "attention-probability dropout of the student, for the presets and --init_from models alike (0: the "
+        "fused attention kernels run in training, as MosaicBERT does; the hidden dropout stays the model's)",
     )
 
 
@@ -119,6 +108,13 @@ class DataArgs:
         choices=("remove", "keep"),
         math=False,
     )
+    packed_attention: str = cli.knob(
+        "document",
+        "packed blocks: document = attention, positions and TACO's positives and negatives stay inside each "
+        "document (the blocks are cut after each [SEP]); sequence = across the whole block, as both papers "
+        "do (an ablation)",
+        choices=("document", "sequence"),
+    )
     mask_prob: float = cli.knob(0.15, "share of the maskable tokens chosen for MLM")
     whole_word_masking: bool = cli.knob(False, "mask whole words (the shards' stored word_starts)")
     max_seq_len: Optional[int] = cli.knob(None, "only needed for shards without build_manifest.json")
@@ -128,31 +124,24 @@ class DataArgs:
 
 
 @dataclass
-class ObjectiveArgs:
-    """The objective and its loss settings (the papers' values as defaults, docs/objectives.md)."""
-
-    objective: Optional[str] = cli.knob(None, "what to train", choices=OBJECTIVES, required=True)
+class _ObjectiveChoice:
+    objective: Optional[str] = cli.knob(None, "what to train", choices=objectives.names, required=True)
     nsp: Optional[str] = cli.knob(
         None,
-        "next-sentence prediction (default: on for tacl, off for taco, auto = on for nsp shards for mlm)",
+        "next-sentence prediction (default: the objective's; auto = on for nsp shards)",
         choices=("auto", "on", "off"),
     )
-    tacl_temperature: float = cli.knob(0.01, "TaCL's tau")
-    tacl_negatives: str = cli.knob(
-        "sequence", "sequence (paper) | global (adds a cross-rank pool)", choices=("sequence", "global")
+
+
+# The objective and its loss settings: each objective declares its own knobs (pipeline.objectives),
+# with the papers' values as defaults (docs/objectives.md). One flat section, as RUN/config.json holds it.
+ObjectiveArgs = dataclass(
+    type(
+        "ObjectiveArgs",
+        (*(o.knobs for o in map(objectives.get, objectives.names()) if o.knobs), _ObjectiveChoice),
+        {"__doc__": "The objective and its loss settings (the papers' values as defaults, docs/objectives.md)."},
     )
-    tacl_num_pool: int = cli.knob(0, "TaCL's cross-rank pool rows (with --tacl_negatives global)")
-    taco_temperature: float = cli.knob(0.07, "TACO's tau")
-    taco_window: int = cli.knob(5, "TACO's positive window (odd; 5 = offsets -2..+2)")
-    taco_num_negatives: int = cli.knob(50, "TACO's negatives per anchor")
-    taco_anchors: str = cli.knob("all", "which tokens are TACO anchors", choices=("all", "masked", "unmasked"))
-    taco_lambda: float = cli.knob(1.0, "weight of TACO's TC loss")
-    taco_detach: bool = cli.knob(
-        True,
-        "let gradients flow into TACO's positives and negatives (an ablation)",
-        flag="--taco_no_detach",
-        invert=True,
-    )
+)
 
 
 @dataclass
@@ -220,11 +209,6 @@ class RunArgs:
         "save and exit 0 after this step (a chunk of a longer run; the schedule still spans --max_steps)",
         math=False,
     )
-    # Fault injection for tests of the NaN guard: the loss of rank `debug_nan_rank` is made NaN at these
-    # steps, on the first `debug_nan_attempts` micro-batches of each.
-    debug_nan_steps: tuple[int, ...] = cli.knob((), hidden=True, parse=_int_tuple, math=False)
-    debug_nan_rank: int = cli.knob(0, hidden=True, math=False)
-    debug_nan_attempts: int = cli.knob(1, hidden=True, math=False)
 
 
 SECTIONS: dict[str, type] = {
@@ -310,18 +294,18 @@ def resolve_defaults(cfg: TrainConfig) -> None:
     A paper warm-up longer than the run (TACO's 10k steps in a 30-step demo) would keep the learning
     rate near zero for the whole run: it is capped at 10% of max_steps, and the cap is noted.
     """
-    d = PAPER_DEFAULTS[cfg.objective.objective]
+    d = objectives.get(cfg.objective.objective).defaults
     o, s = cfg.objective, cfg.schedule
     if o.nsp is None:
-        o.nsp = d["nsp"]
+        o.nsp = d.nsp
     if s.lr is None:
-        s.lr = d["lr"]
+        s.lr = d.lr
     if s.warmup_steps is not None:
         return
-    if d["warmup_ratio"] is not None:
-        s.warmup_steps = int(round(d["warmup_ratio"] * s.max_steps))
+    if d.warmup_ratio is not None:
+        s.warmup_steps = int(round(d.warmup_ratio * s.max_steps))
         return
-    s.warmup_steps = d["warmup_steps"]
+    s.warmup_steps = d.warmup_steps
     if s.warmup_steps >= s.max_steps:
         capped = int(round(0.1 * s.max_steps))
         cfg.notes.append(
@@ -360,6 +344,8 @@ def validate(cfg: TrainConfig) -> None:
         raise UsageError(f"--report_to {','.join(r.report_to)}: expected names among {', '.join(REPORT_TARGETS)}")
     if not r.dist_timeout_s > 0:
         raise UsageError(f"--dist_timeout_s must be > 0, got {r.dist_timeout_s}")
+    if not 0 <= m.attention_dropout < 1:
+        raise UsageError(f"--attention_dropout must be in [0, 1), got {m.attention_dropout}")
     if not 0 < d.mask_prob < 1:
         raise UsageError(f"--mask_prob must be in (0, 1), got {d.mask_prob}")
     if d.num_workers is not None and d.num_workers < 0:
@@ -378,14 +364,9 @@ def validate(cfg: TrainConfig) -> None:
         raise UsageError(
             f"--model_config {m.model_config!r} is neither one of {MODEL_PRESETS} nor an existing JSON file"
         )
-    if o.tacl_negatives == "global" and o.tacl_num_pool < 1:
-        raise UsageError("--tacl_negatives global needs --tacl_num_pool >= 1")
-    if o.tacl_negatives == "sequence" and o.tacl_num_pool:
-        raise UsageError(f"--tacl_num_pool {o.tacl_num_pool} only applies to --tacl_negatives global")
-    if o.objective == "taco" and o.nsp == "on":
-        raise UsageError("--nsp on with --objective taco: TACO trains MLM + TC on packed blocks, without NSP")
-    if o.taco_window < 3 or o.taco_window % 2 == 0:
-        raise UsageError(f"--taco_window must be odd and >= 3, got {o.taco_window}")
+    for name in objectives.names():
+        objectives.get(name).check_knobs(o)
+    objectives.get(o.objective).check_selected(o)
 
 
 def describe_json(cfg: TrainConfig) -> str:

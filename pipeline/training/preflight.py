@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from pipeline import distributed
-from pipeline.data.shards import DataInfo, check_objective_against_data, default_cache_root, inspect_data
+from pipeline import distributed, objectives
+from pipeline.data.shards import DataInfo, default_cache_root, inspect_data
 from pipeline.training import checkpoint, log
 from pipeline.training.config import TrainConfig, resume_changes
 from pipeline.training.ds_config import load_ds_json, resolve_ds_config
@@ -58,8 +58,8 @@ def prepare(cfg: TrainConfig) -> Prepared:
     info = inspect_data(cfg.data.data, cache_root=cache_root, max_seq_len=cfg.data.max_seq_len)
     if info.verified_bytes:
         log.info(f"shards verified: {info.verified_bytes / 1e9:.3f} GB hashed (xxh64) in {info.verify_s:.1f} s")
-    use_nsp = check_objective_against_data(
-        cfg.objective.objective, nsp=cfg.objective.nsp, fmt=info.format, paths=cfg.data.data
+    use_nsp = objectives.get(cfg.objective.objective).check_data(
+        fmt=info.format, nsp=cfg.objective.nsp, paths=cfg.data.data
     )
     tok_dir = cfg.model.tokenizer or info.tokenizer_dir
     if tok_dir is None and cfg.model.init_from and (Path(cfg.model.init_from) / "vocab.txt").is_file():

@@ -1,13 +1,15 @@
-"""What a resumed run restores beyond DeepSpeed's own weights, optimizer and scheduler: the step, the
-loader's position, the skipped micro-batches, every rank's RNG states and the TaCL teacher's
-fingerprint. They travel in the checkpoint's client state; `save` and `resume` are the two ends.
+"""What a run is at, and what a resumed run restores beyond DeepSpeed's own weights, optimizer and
+scheduler: the step, the loader's position, the skipped micro-batches, every rank's RNG states and
+the TaCL teacher's fingerprint. They travel in the checkpoint's client state; `save` and `resume` are
+the two ends.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -16,8 +18,15 @@ from pipeline import distributed
 from pipeline.training import checkpoint, log
 from preprocessing.errors import UsageError
 
-if TYPE_CHECKING:
-    from pipeline.training.trainer import Run
+
+@dataclass
+class TrainState:
+    """The optimizer steps taken, and the non-finite micro-batches neutralised over all ranks as of the
+    last control step (and when this process started). The loader keeps its own position."""
+
+    step: int = 0
+    skipped: int = 0
+    skipped_at_start: int = 0
 
 
 def rng_states() -> dict[str, Any]:
@@ -39,51 +48,65 @@ def set_rng_states(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(run: Run) -> Path:
-    """A checkpoint at run.step (every rank calls it: a collective)."""
-    tok, config = run.prep.tokenizer, run.engine.module.config
+def save(
+    state: TrainState,
+    *,
+    engine: Any,
+    loader: Any,
+    teacher: Any,
+    teacher_print: Optional[str],
+    resolved: dict[str, Any],
+    tokenizer: Any,
+    save_dir: Path,
+    keep: int,
+) -> Path:
+    """A checkpoint at state.step (every rank calls it: a collective). `teacher`: TaCL's (an Encoder),
+    whose weights must still be those it started with (`teacher_print`)."""
+    config = engine.module.config
 
     def write_extras(folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         config.save_pretrained(folder)
-        tok.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
 
-    if run.teacher is not None:
+    if teacher is not None:
         from pipeline.modeling.teacher import fingerprint
 
         # The frozen teacher must be exactly the initial encoder at every checkpoint.
-        assert fingerprint(run.teacher.bert) == run.teacher_print, "the TaCL teacher's weights changed during training"
+        assert fingerprint(teacher.bert) == teacher_print, "the TaCL teacher's weights changed during training"
     client = {
-        "step": run.step,
-        "loader": run.loader.state_dict(),
-        "skipped_micro_batches": run.skipped,
+        "step": state.step,
+        "loader": loader.state_dict(),
+        "skipped_micro_batches": state.skipped,
         "rng": distributed.all_gather_object(rng_states()),
         "world_size": distributed.world_size(),
-        "teacher_fingerprint": run.teacher_print,
-        "config": run.resolved,
+        "teacher_fingerprint": teacher_print,
+        "config": resolved,
     }
     return checkpoint.save(
-        run.engine,
-        save_dir=run.save_dir,
-        step=run.step,
+        engine,
+        save_dir=save_dir,
+        step=state.step,
         client_state=client,
-        keep=run.prep.cfg.run.keep_checkpoints,
+        keep=keep,
         write_extras=write_extras,
-        run_config=run.resolved,
+        run_config=resolved,
     )
 
 
-def resume(run: Run, path: Path) -> None:
-    """Load the checkpoint at `path` into the engine and the run (every rank)."""
-    client = checkpoint.load(run.engine, path)
-    run.step, run.skipped = int(client["step"]), int(client.get("skipped_micro_batches", 0))
-    run.loader.load_state_dict(client["loader"])
+def resume(
+    state: TrainState, path: Path, *, engine: Any, loader: Any, teacher_print: Optional[str], source: str
+) -> None:
+    """Load the checkpoint at `path` into the engine, the loader and `state` (every rank). `source`: the
+    flag the teacher was rebuilt from, for the error when it differs."""
+    client = checkpoint.load(engine, path)
+    state.step, state.skipped = int(client["step"]), int(client.get("skipped_micro_batches", 0))
+    loader.load_state_dict(client["loader"])
     if client.get("world_size") == distributed.world_size():
         set_rng_states(client["rng"][distributed.rank()])
-    if run.teacher_print is not None and client.get("teacher_fingerprint") not in (None, run.teacher_print):
-        cfg = run.prep.cfg
+    if teacher_print is not None and client.get("teacher_fingerprint") not in (None, teacher_print):
         raise UsageError(
-            f"the TaCL teacher rebuilt from {cfg.model.init_from or cfg.model.model_config} differs "
-            f"from the one this run started with; resume with the same --init_from/--model_config/--seed"
+            f"the TaCL teacher rebuilt from {source} differs from the one this run started with; resume with "
+            f"the same --init_from/--model_config/--seed"
         )
-    log.info(f"resumed from {path} at step {run.step}")
+    log.info(f"resumed from {path} at step {state.step}")

@@ -1,22 +1,16 @@
 """The training run: the DeepSpeed engine around the student, the TaCL teacher beside it, the
 streaming loader, the loop, checkpoints, metrics and pre-emption.
 
-`train(prepare(cfg))` (pipeline.training.preflight checks everything first). The loop calls engine.backward
-and engine.step on every micro-batch; one optimizer step = gradient_accumulation_steps of them.
+`train(prepare(cfg))` (pipeline.training.preflight checks everything first). Each optimizer step is
+pipeline.training.step.train_step, the same function the benchmarks time.
 
-Determinism: every random draw is a function of (seed, step, micro-batch, rank, sample id): masking
-per (seed, epoch, sample id) in the collator; dropout and the losses' draws re-seeded before every
-micro-batch. With the data loader's state in the checkpoint, a resumed run sees the same samples
-and computes the same losses as the uninterrupted one (the RNG states are saved too, for anything
-else that draws).
+With the data loader's state in the checkpoint, a resumed run sees the same samples and computes the
+same losses as the uninterrupted one (pipeline.training.step draws everything from seed, step, rank
+and sample id; the RNG states are saved too, for anything else that draws).
 
-The step reads nothing back from the device and calls no collective of its own (beyond the
-losses'): metrics accumulate on the device and reach the host at --log_every steps; a non-finite
-loss is neutralised on the device (pipeline.training.nonfinite); every rank takes the decisions that
-need agreement (stop at a pre-emption signal, abort after --max_nonfinite in a row) together at
-control steps (--control_every and every log step), with one small collective of host numbers.
-
-Legend: B sequences per micro-batch, L positions.
+The step reads nothing back from the device; every rank takes the decisions that need agreement (stop
+at a pre-emption signal, abort after --max_nonfinite in a row) together at control steps
+(--control_every and every log step), with one small collective of host numbers.
 """
 
 from __future__ import annotations
@@ -26,33 +20,29 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
-from pipeline import distributed
+from pipeline import distributed, objectives
 from pipeline.data.collator import MaskingCollator
 from pipeline.data.loader import build_loader, shutdown_loader
 from pipeline.data.masking import MaskingSpec
 from pipeline.data.shards import run_key
 from pipeline.hardware import slow_bf16_reason
 from pipeline.modeling.encoder import Encoder
+from pipeline.modeling.teacher import build_teacher, check_teacher, fingerprint
 from pipeline.training import checkpoint, log, state
 from pipeline.training.config import RECORD_KEYS
 from pipeline.training.ds_config import client_scheduler
 from pipeline.training.metrics import FlopsModel, Meter, MetricsWriter, device_peak_flops, memory_gb, progress_bar
 from pipeline.training.nonfinite import NonfiniteGuard
-from pipeline.training.objectives import StepLosses, compute_losses, metric_keys
 from pipeline.training.preflight import Prepared
-
-
-def mixed_seed(*parts: int) -> int:
-    """A 63-bit seed that is a pure function of the parts (seed, step, micro-batch, rank, ...)."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1, np.uint64)[0] >> 1)
+from pipeline.training.state import TrainState
+from pipeline.training.step import Batches, LossHook, StepProgram, to_device, train_step
 
 
 class PreemptionFlag:
@@ -107,40 +97,104 @@ def engine_dtype(engine: Any) -> torch.dtype:
 
 @dataclass
 class Run:
-    """Everything the loop works with."""
+    """Everything the loop works with: the step's program (engine, objective, teacher, guard), the run's
+    state, the loader, and what the engine resolved."""
 
     prep: Prepared
-    engine: Any
-    teacher: Optional[Encoder]  # TaCL's frozen teacher, run by the same encoder code
-    teacher_print: Optional[str]
+    program: StepProgram
+    state: TrainState
+    teacher_print: Optional[str]  # TaCL's teacher's fingerprint, checked at every save and resume
     loader: Any
     dtype: torch.dtype
-    device: torch.device
     micro: int
-    accum: int
     resolved: dict[str, Any]
-    flops: FlopsModel
     peak: Optional[float]
-    guard: Optional[NonfiniteGuard] = None
-    step: int = 0
-    skipped: int = 0  # non-finite micro-batches neutralised so far, over all ranks (as of the last control step)
-    skipped_at_start: int = 0  # ... when this process started (from the checkpoint)
     last_batch: Optional[dict[str, torch.Tensor]] = field(default=None, repr=False)
+
+    @property
+    def engine(self) -> Any:
+        return self.program.engine
+
+    @property
+    def device(self) -> torch.device:
+        return self.program.device
 
     @property
     def save_dir(self) -> Path:
         return Path(self.prep.cfg.run.save_dir)
 
 
-def setup(prep: Prepared, *, batches: Optional[Any] = None) -> Run:
+def setup(prep: Prepared, *, batches: Optional[Any] = None, hooks: Sequence[LossHook] = ()) -> Run:
     """Process group, student, teacher, engine, loader; resumes from the latest checkpoint if asked.
-    `batches`: an iterable of collated batches to use instead of the streaming loader (the GPU
-    benchmark's synthetic samples through the real collator)."""
-    import deepspeed
+    `batches`: an iterable of collated batches to use instead of the streaming loader. `hooks`: loss
+    hooks for the step (tests' fault injection; pipeline.training.step)."""
+    cfg = prep.cfg
+    objective = objectives.get(cfg.objective.objective)
+    gpu = _start_process_group(prep)
+    for note in cfg.notes + prep.resume_notes:
+        log.info(note)
+    compile_encoder = cfg.model.compile == "on" or (cfg.model.compile == "auto" and gpu is not None)
+    student, init_lines = build_student(prep, compile=compile_encoder)
+    for line in init_lines:
+        log.info(line)
+    # The teacher is the student's *initial* encoder: copy it before the engine trains or casts it.
+    teacher = None
+    if objective.needs_teacher:
+        teacher = build_teacher(student, dtype=torch.float32, device=torch.device("cpu"))
+    engine = _engine(prep, student)
+    dtype, device = engine_dtype(engine), engine.device
+    if teacher is not None:
+        teacher = teacher.to(device=device, dtype=dtype)
+        check_teacher(teacher, student)
+    guard = NonfiniteGuard(device)
+    guard.install(engine.module)
+    micro = engine.train_micro_batch_size_per_gpu()
+    program = StepProgram(
+        engine=engine,
+        objective=objective,
+        args=cfg.objective,
+        nsp=prep.use_nsp,
+        teacher=Encoder(teacher, compile=compile_encoder) if teacher is not None else None,
+        guard=guard,
+        flops=FlopsModel.of(student.config, teacher=teacher is not None),
+        device=device,
+        seed=cfg.run.seed,
+        accum=engine.gradient_accumulation_steps(),
+        full_head=cfg.model.mlm_head == "full",
+        trace=cfg.run.trace_samples,
+        hooks=tuple(hooks),
+    )
+    run = Run(
+        prep=prep,
+        program=program,
+        state=TrainState(),
+        teacher_print=fingerprint(teacher) if teacher is not None else None,
+        loader=_loader(prep, micro=micro, device=device) if batches is None else batches,
+        dtype=dtype,
+        micro=micro,
+        resolved={**cfg.to_dict(), **_record(prep, micro=micro, accum=program.accum, dtype=dtype, device=device)},
+        peak=device_peak_flops(device, dtype=dtype, override_tflops=cfg.run.peak_tflops),
+    )
+    if prep.resume_from is not None:
+        m = cfg.model
+        source = f"--init_from {m.init_from}" if m.init_from else f"--model_config {m.model_config}"
+        state.resume(
+            run.state,
+            prep.resume_from[1],
+            engine=engine,
+            loader=run.loader,
+            teacher_print=run.teacher_print,
+            source=source,
+        )
+    run.state.skipped_at_start = run.state.skipped
+    if distributed.is_main():
+        run.save_dir.mkdir(parents=True, exist_ok=True)
+        (run.save_dir / "config.json").write_text(json.dumps(run.resolved, indent=2, default=str) + "\n")
+    return run
 
-    from pipeline.modeling.param_groups import param_groups
-    from pipeline.modeling.teacher import build_teacher, check_teacher, fingerprint
 
+def _start_process_group(prep: Prepared) -> Optional[torch.device]:
+    """This rank's GPU (None on CPU), bound before the process group so that NCCL uses it."""
     cfg = prep.cfg
     distributed.normalize_launch_env()
     # The GPU first, so that NCCL binds this rank's (a Slurm task bound to one GPU sees only it).
@@ -149,63 +203,55 @@ def setup(prep: Prepared, *, batches: Optional[Any] = None) -> Run:
         torch.cuda.set_device(gpu)
     distributed.bound_new_group_timeouts(timeout_s=cfg.run.dist_timeout_s)
     distributed.init_process_group(backend=distributed.default_backend(), timeout_s=cfg.run.dist_timeout_s, device=gpu)
-    local = distributed.local_rank()
     log.every_rank(
-        f"rank {distributed.rank()} of world_size {distributed.world_size()} (local_rank {local}, "
-        f"host {distributed.hostname()})"
+        f"rank {distributed.rank()} of world_size {distributed.world_size()} (local_rank "
+        f"{distributed.local_rank()}, host {distributed.hostname()})"
     )
     if gpu is None and "OMP_NUM_THREADS" not in os.environ:
         # Ranks sharing a CPU would each start a thread per core and thrash.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // distributed.local_world_size()))
-    for note in cfg.notes + prep.resume_notes:
-        log.info(note)
+    return gpu
 
-    compile_encoder = cfg.model.compile == "on" or (cfg.model.compile == "auto" and gpu is not None)
-    student, init_lines = build_student(prep, compile=compile_encoder)
-    for line in init_lines:
-        log.info(line)
-    # The teacher is the student's *initial* encoder: copy it before the engine trains or casts it.
-    teacher = (
-        build_teacher(student, dtype=torch.float32, device=torch.device("cpu"))
-        if cfg.objective.objective == "tacl"
-        else None
-    )
-    ds, lr_scheduler = client_scheduler(prep.ds_config, schedule=cfg.schedule)
+
+def _engine(prep: Prepared, student: torch.nn.Module) -> Any:
+    """The DeepSpeed engine around the student, with the run's schedule; warns once where bf16 is slow."""
+    import deepspeed
+
+    from pipeline.modeling.param_groups import param_groups
+
+    ds, lr_scheduler = client_scheduler(prep.ds_config, schedule=prep.cfg.schedule)
     engine, _, _, _ = deepspeed.initialize(
         model=student, model_parameters=param_groups(student), config=ds, lr_scheduler=lr_scheduler
     )
     # Batch and precision as the engine resolved them (the JSON is their only owner).
-    micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    dtype, device = engine_dtype(engine), engine.device
-    if dtype == torch.bfloat16 and (why := slow_bf16_reason(device)):
+    if engine_dtype(engine) == torch.bfloat16 and (why := slow_bf16_reason(engine.device)):
         # The JSON owns precision, so the run keeps bf16; it says once what that costs here.
         log.warning(
-            f"bf16 on {device}: {why}. For a CPU run set bf16.enabled to false in "
-            f"--ds_config {cfg.run.ds_config} (deepspeed_configs/demo.json is an fp32 config)"
+            f"bf16 on {engine.device}: {why}. For a CPU run set bf16.enabled to false in "
+            f"--ds_config {prep.cfg.run.ds_config} (deepspeed_configs/demo.json is an fp32 config)"
         )
-    if teacher is not None:
-        teacher = teacher.to(device=device, dtype=dtype)
-        check_teacher(teacher, student)
-    guard = NonfiniteGuard(device)
-    guard.install(engine.module)
+    return engine
 
-    if batches is None:
-        workers = cfg.data.num_workers if cfg.data.num_workers is not None else default_workers()
-        loader = build_loader(
-            prep.data,
-            weights=cfg.data.data_weights,
-            micro_batch=micro,
-            collator=make_collator(prep),
-            vocab_size=len(prep.tokenizer),
-            seed=cfg.run.seed,
-            num_workers=workers,
-            num_canonical_nodes=cfg.data.num_canonical_nodes,
-            run_id=run_key(cfg.run.save_dir),
-            pin_memory=device.type == "cuda",
-            timeout_s=cfg.run.dist_timeout_s,
-        )
-    else:
-        loader = batches
+
+def _loader(prep: Prepared, *, micro: int, device: torch.device) -> Any:
+    cfg = prep.cfg
+    return build_loader(
+        prep.data,
+        weights=cfg.data.data_weights,
+        micro_batch=micro,
+        collator=make_collator(prep),
+        vocab_size=len(prep.tokenizer),
+        seed=cfg.run.seed,
+        num_workers=cfg.data.num_workers if cfg.data.num_workers is not None else default_workers(),
+        num_canonical_nodes=cfg.data.num_canonical_nodes,
+        run_id=run_key(cfg.run.save_dir),
+        pin_memory=device.type == "cuda",
+        timeout_s=cfg.run.dist_timeout_s,
+    )
+
+
+def _record(prep: Prepared, *, micro: int, accum: int, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+    """The facts of the run that RUN/config.json records beside its settings (RECORD_KEYS)."""
     world = distributed.world_size()
     record = {
         "deepspeed": prep.ds_config,
@@ -225,29 +271,7 @@ def setup(prep: Prepared, *, batches: Optional[Any] = None) -> Run:
         "bert_config": prep.bert_config.to_dict(),
     }
     assert tuple(record) == RECORD_KEYS, (tuple(record), RECORD_KEYS)
-    resolved = {**cfg.to_dict(), **record}
-    run = Run(
-        prep=prep,
-        engine=engine,
-        teacher=Encoder(teacher) if teacher is not None else None,
-        teacher_print=fingerprint(teacher) if teacher is not None else None,
-        guard=guard,
-        loader=loader,
-        dtype=dtype,
-        device=device,
-        micro=micro,
-        accum=accum,
-        resolved=resolved,
-        flops=FlopsModel.of(student.config, teacher=teacher is not None),
-        peak=device_peak_flops(device, dtype=dtype, override_tflops=cfg.run.peak_tflops),
-    )
-    if prep.resume_from is not None:
-        state.resume(run, prep.resume_from[1])
-    run.skipped_at_start = run.skipped
-    if distributed.is_main():
-        run.save_dir.mkdir(parents=True, exist_ok=True)
-        (run.save_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str) + "\n")
-    return run
+    return record
 
 
 def make_collator(prep: Prepared) -> MaskingCollator:
@@ -279,101 +303,19 @@ def default_workers() -> int:
     return max(1, min(8, usable - 1))
 
 
-@dataclass
-class StepResult:
-    lr: float
-    sample_ids: list[int]
-
-
-def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """A collated batch on the device: tensors copied asynchronously (the loader pinned them on CUDA),
-    host values (layout, counts) as they are."""
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
-class Batches:
-    """Endless micro-batches: a new epoch (and a new shuffle) when one ends."""
-
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
-        self.it = iter(loader)
-
-    def next(self) -> dict[str, torch.Tensor]:
-        try:
-            return next(self.it)
-        except StopIteration:
-            self.it = iter(self.loader)
-            return next(self.it)
-
-
-def train_step(run: Run, batches: Batches, meter: Meter, *, mark: Optional[Callable[[str], None]] = None) -> StepResult:
-    """One optimizer step: `accum` micro-batches, each with its backward and engine.step (DeepSpeed
-    applies the optimizer on the last). A non-finite micro-batch contributes nothing (run.guard).
-    `mark(name)`, when given, is called after each phase of a micro-batch (data, forward, loss,
-    backward, optimizer), for a benchmark's step-time split."""
-    cfg, engine = run.prep.cfg, run.engine
-    rank = distributed.rank()
-    lr, ids = 0.0, []
-    taco = cfg.objective.objective == "taco"
-    step = run.step + 1
-    for micro in range(run.accum):
-        batch = batches.next()
-        if cfg.run.trace_samples:
-            ids.extend(batch["sample_ids"].tolist())
-        # Dropout and the losses' draws: functions of (seed, step, micro-batch, rank); the losses'
-        # generator is the same on every rank (their draws span all ranks).
-        torch.manual_seed(mixed_seed(cfg.run.seed, run.step, micro, rank))
-        gen = torch.Generator().manual_seed(mixed_seed(cfg.run.seed, run.step, micro, 1 << 20))
-        dev = to_device(batch, run.device)
-        if mark:
-            mark("data")
-        out = engine(dev, with_embeddings=taco, with_nsp=run.prep.use_nsp)
-        if mark:
-            mark("forward")
-        res = compute_losses(run.prep, out, dev, teacher=run.teacher, generator=gen)
-        if step in cfg.run.debug_nan_steps and rank == cfg.run.debug_nan_rank and micro < cfg.run.debug_nan_attempts:
-            res = StepLosses(
-                total=res.total * float("nan"), values={**res.values, "loss": res.values["loss"] * float("nan")}
-            )
-        total = run.guard.check(res.total, step=step)
-        if mark:
-            mark("loss")
-        engine.backward(total)
-        if mark:
-            mark("backward")
-        if micro == run.accum - 1:
-            lr = float(engine.get_lr()[0])  # the rate this optimizer step uses (a host number)
-        engine.step()
-        if mark:
-            mark("optimizer")
-        # The vocabulary projection's rows: the masked ones, or every real one for the full head.
-        head_rows = batch["num_tokens"] if cfg.model.mlm_head == "full" else batch["num_masked"]
-        meter.add(
-            res.values,
-            ok=run.guard.ok,
-            tokens=batch["num_tokens"],
-            samples=batch["num_sequences"],
-            flops=run.flops.batch_flops(tokens=batch["num_tokens"], sum_len_sq=batch["sum_len_sq"], masked=head_rows),
-        )
-        run.last_batch = dev
-    run.step += 1
-    meter.steps += 1
-    return StepResult(lr=lr, sample_ids=ids)
-
-
 def control(run: Run, flag: PreemptionFlag) -> Optional[str]:
     """The decisions every rank takes together (one small collective of host numbers; one device read
     of the guard's counters): returns the pre-emption signal to stop for, or None. Raises when the
     loss was non-finite --max_nonfinite micro-batches in a row on some rank."""
-    rows = distributed.all_gather_ints([int(flag.usr1), int(flag.term), *run.guard.read()])
+    rows = distributed.all_gather_ints([int(flag.usr1), int(flag.term), *run.program.guard.read()])
     usr1, term, worst, last_step = (max(r[i] for r in rows) for i in range(4))
-    skipped = run.skipped_at_start + sum(r[4] for r in rows)
-    if skipped > run.skipped:
+    skipped = run.state.skipped_at_start + sum(r[4] for r in rows)
+    if skipped > run.state.skipped:
         log.warning(
-            f"non-finite loss at step {last_step}: micro-batch neutralised ({skipped - run.skipped} since "
+            f"non-finite loss at step {last_step}: micro-batch neutralised ({skipped - run.state.skipped} since "
             f"the last check, {worst} in a row at most)"
         )
-        run.skipped = skipped
+        run.state.skipped = skipped
     limit = run.prep.cfg.run.max_nonfinite
     if worst >= limit:
         raise RuntimeError(
@@ -392,7 +334,7 @@ def log_record(run: Run, meter: Meter, *, lr: float) -> dict[str, Any]:
     grad_norm = run.engine.get_global_grad_norm()
     flops_per_s = vals["flops"] / elapsed
     return {
-        "step": run.step,
+        "step": run.state.step,
         **{k: vals[k] for k in keys},
         "lr": lr,
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
@@ -404,33 +346,35 @@ def log_record(run: Run, meter: Meter, *, lr: float) -> dict[str, Any]:
         "step_time_s": elapsed / max(steps, 1),
         "mem_gb": mem,
         "mem_kind": mem_kind,
-        "skipped_micro_batches": run.skipped,
+        "skipped_micro_batches": run.state.skipped,
         # fp16's dynamic loss scaling skips the optimizer step on overflow (DeepSpeed counts them).
         "overflow_steps": int(getattr(run.engine, "skipped_steps", 0)),
         "time": time.time(),
     }
 
 
-def train(prep: Prepared) -> int:
+def train(prep: Prepared, *, hooks: Sequence[LossHook] = ()) -> int:
     """Run the job on every rank. Returns the exit code: 0 when done, and 0 after a pre-emption
-    signal or --stop_after_step once the checkpoint is saved."""
+    signal or --stop_after_step once the checkpoint is saved. `hooks`: see `setup`."""
     cfg = prep.cfg
     flag = PreemptionFlag()
     flag.install()
     run = writer = bar = None
     try:
-        run = setup(prep)
+        run = setup(prep, hooks=hooks)
         writer = MetricsWriter(
             run.save_dir,
             enabled=distributed.is_main(),
-            resume_step=run.step,
+            resume_step=run.state.step,
             trace=cfg.run.trace_samples,
             report_to=cfg.run.report_to,
             run_config=run.resolved,
             new_run=cfg.run.resume == "none",
         )
         show_bar = cfg.run.progress_bar == "on" or (cfg.run.progress_bar == "auto" and sys.stderr.isatty())
-        bar = progress_bar(enabled=distributed.is_main() and show_bar, total=cfg.schedule.max_steps, initial=run.step)
+        bar = progress_bar(
+            enabled=distributed.is_main() and show_bar, total=cfg.schedule.max_steps, initial=run.state.step
+        )
         stopped = loop(run, flag, writer=writer, bar=bar)
         if stopped is None:
             finish(run)
@@ -449,20 +393,22 @@ def train(prep: Prepared) -> int:
 def loop(run: Run, flag: PreemptionFlag, *, writer: MetricsWriter, bar: Any) -> Optional[str]:
     """Train to max_steps. Returns None when done, else why it stopped early (after saving)."""
     cfg = run.prep.cfg
-    batches, meter = Batches(run.loader), Meter(metric_keys(cfg.objective.objective, nsp=run.prep.use_nsp), run.device)
+    batches, meter = Batches(run.loader), Meter(run.program.objective.metric_keys(nsp=run.program.nsp), run.device)
     run.engine.train()
-    while run.step < cfg.schedule.max_steps:
-        res = train_step(run, batches, meter)
+    st = run.state
+    while st.step < cfg.schedule.max_steps:
+        res = train_step(run.program, st, batches, meter)
+        run.last_batch = res.last_batch
         if bar is not None:
             bar.update(1)
         if cfg.run.trace_samples:
-            writer.trace(run.step, distributed.all_gather_object(res.sample_ids))
-        last = run.step == cfg.schedule.max_steps
-        log_step = run.step % cfg.run.log_every == 0 or last
-        save_step = run.step % cfg.run.save_every == 0 or last
-        chunk_end = run.step == cfg.run.stop_after_step and not last
+            writer.trace(st.step, distributed.all_gather_object(res.sample_ids))
+        last = st.step == cfg.schedule.max_steps
+        log_step = st.step % cfg.run.log_every == 0 or last
+        save_step = st.step % cfg.run.save_every == 0 or last
+        chunk_end = st.step == cfg.run.stop_after_step and not last
         signal_name = None
-        if log_step or save_step or chunk_end or run.step % cfg.run.control_every == 0:
+        if log_step or save_step or chunk_end or st.step % cfg.run.control_every == 0:
             signal_name = control(run, flag)
         # At max_steps the run simply ends (saved, exported) whatever asked it to stop.
         signalled = signal_name is not None and not last
@@ -474,15 +420,30 @@ def loop(run: Run, flag: PreemptionFlag, *, writer: MetricsWriter, bar: Any) -> 
                 bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
         if save_step or stopping:
             t0 = time.perf_counter()
-            state.save(run)
+            save(run)
             meter.exclude(time.perf_counter() - t0)  # throughput counts training, not checkpoints
         if signalled:
-            log.info(f"pre-emption signal {signal_name}: saved checkpoint at step {run.step}, exiting 0")
+            log.info(f"pre-emption signal {signal_name}: saved checkpoint at step {st.step}, exiting 0")
             return signal_name
         if chunk_end:
-            log.info(f"stopped after step {run.step} (--stop_after_step): saved checkpoint, exiting 0")
+            log.info(f"stopped after step {st.step} (--stop_after_step): saved checkpoint, exiting 0")
             return "--stop_after_step"
     return None  # at max_steps, saved (or resumed there: nothing left to train)
+
+
+def save(run: Run) -> Path:
+    """A checkpoint of the run at its step (every rank: a collective)."""
+    return state.save(
+        run.state,
+        engine=run.engine,
+        loader=run.loader,
+        teacher=run.program.teacher,
+        teacher_print=run.teacher_print,
+        resolved=run.resolved,
+        tokenizer=run.prep.tokenizer,
+        save_dir=run.save_dir,
+        keep=run.prep.cfg.run.keep_checkpoints,
+    )
 
 
 def finish(run: Run) -> None:
@@ -503,4 +464,4 @@ def finish(run: Run) -> None:
             f"{check['max_abs_diff_same_dtype']:.3g} in {check['dtype']}, {check['max_abs_diff_fp32']:.3g} in fp32)"
         )
     distributed.barrier()
-    log.info(f"done: step {run.step}")
+    log.info(f"done: step {run.state.step}")

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline import objectives
 from pipeline.data.collator import MaskingCollator
 from pipeline.data.loader import build_loader
 from pipeline.data.masking import MaskingSpec
-from pipeline.data.shards import ShardError, check_objective_against_data, inspect_data
+from pipeline.data.shards import ShardError, inspect_data
 from tests.support.trainer import REPO, launch_env, shard_sets
 
 
@@ -130,14 +131,14 @@ def test_corrupted_header_and_missing_shard_are_named(packed, tmp_path):
 
 
 def test_objective_against_data():
-    assert check_objective_against_data("tacl", nsp="on", fmt="nsp", paths=["d"]) is True
+    assert objectives.get("tacl").check_data(nsp="on", fmt="nsp", paths=["d"]) is True
     with pytest.raises(ValueError, match=r"tacl trains on NSP pairs.*--format nsp.*--nsp off"):
-        check_objective_against_data("tacl", nsp="on", fmt="packed", paths=["d"])
-    assert check_objective_against_data("tacl", nsp="off", fmt="packed", paths=["d"]) is False
+        objectives.get("tacl").check_data(nsp="on", fmt="packed", paths=["d"])
+    assert objectives.get("tacl").check_data(nsp="off", fmt="packed", paths=["d"]) is False
     with pytest.raises(ValueError, match=r"taco trains on packed blocks.*--format packed"):
-        check_objective_against_data("taco", nsp="off", fmt="nsp", paths=["d"])
-    assert check_objective_against_data("mlm", nsp="auto", fmt="nsp", paths=["d"]) is True
-    assert check_objective_against_data("mlm", nsp="auto", fmt="packed", paths=["d"]) is False
+        objectives.get("taco").check_data(nsp="off", fmt="nsp", paths=["d"])
+    assert objectives.get("mlm").check_data(nsp="auto", fmt="nsp", paths=["d"]) is True
+    assert objectives.get("mlm").check_data(nsp="auto", fmt="packed", paths=["d"]) is False
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -49,18 +49,18 @@ INJECT = textwrap.dedent("""
     import sys
     sys.path.insert(0, {repo!r})
     from pipeline import distributed
-    from pipeline.training import trainer
+    from pipeline.objectives.base import Objective
 
-    real = trainer.compute_losses
+    real = Objective.losses
 
-    def compute_losses(prep, out, batch, **kw):
+    def compute_losses(self, out, batch, **kw):
         if distributed.rank() == 1 and trainer_step[0] >= 2:
             raise ValueError("injected internal error")
         trainer_step[0] += 1
-        return real(prep, out, batch, **kw)
+        return real(self, out, batch, **kw)
 
     trainer_step = [0]
-    trainer.compute_losses = compute_losses
+    Objective.losses = compute_losses
     from pipeline.train import main
     sys.exit(main())
 """)

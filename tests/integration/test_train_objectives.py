@@ -191,7 +191,7 @@ def test_nan_losses_in_a_row_abort_naming_the_step(tmp_path, shards, ds):
             data=[shards["packed32"]],
             save_dir=tmp_path / "nan",
             max_steps=8,
-            extra=["--debug_nan_steps", "3,4,5", "--debug_nan_rank", "1", "--max_nonfinite", "3"],
+            extra=["--fault_nan_steps", "3,4,5", "--fault_nan_rank", "1", "--max_nonfinite", "3"],
         ),
     )
     assert proc.returncode != 0, explain(proc)

@@ -128,23 +128,23 @@ def _patch_collectives() -> None:
 def main(argv: list[str]) -> int:
     out_path, train_args = argv[0], argv[1:]
     sys.path.insert(0, REPO)
-    from pipeline.training import config, preflight, trainer
+    from pipeline.training import config, preflight, step, trainer
 
     _patch_plain_reads()
     _patch_collectives()
-    real_to_device, real_step = trainer.to_device, trainer.train_step
+    real_to_device, real_step = step.to_device, trainer.train_step
     steps = [0]
 
     def to_device(batch, device):
         moved = real_to_device(batch, device)
         return {k: v.as_subclass(OnDevice) if isinstance(v, torch.Tensor) else v for k, v in moved.items()}
 
-    def train_step(run, batches, meter, **kw):
+    def train_step(program, state, batches, meter, **kw):
         steps[0] += 1
         ACTIVE[0] = True  # from the first step on: set-up is not the step
-        return real_step(run, batches, meter, **kw)
+        return real_step(program, state, batches, meter, **kw)
 
-    trainer.to_device, trainer.train_step = to_device, train_step
+    step.to_device, trainer.train_step = to_device, train_step
     code = trainer.train(preflight.prepare(config.parse_args(train_args)))
     ACTIVE[0] = False
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+TRAIN_PY = REPO / "pipeline" / "train.py"
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 _NOUNS = "cat dog bird fish horse cow sheep lion tiger bear wolf fox mouse rabbit deer".split()
@@ -211,6 +212,8 @@ def train_args(
 
 
 def deepspeed_cmd(port: int, args: Sequence[str], *, num_gpus: int = 2) -> list[str]:
+    # --fault_* flags: the trainer under tests/support/faults.py, which installs the loss hooks they name.
+    script = REPO / "tests" / "support" / "faults.py" if any(a.startswith("--fault_") for a in args) else TRAIN_PY
     return [
         sys.executable,
         "-m",
@@ -219,7 +222,7 @@ def deepspeed_cmd(port: int, args: Sequence[str], *, num_gpus: int = 2) -> list[
         str(num_gpus),
         "--master_port",
         str(port),
-        str(REPO / "pipeline" / "train.py"),
+        str(script),
         *args,
     ]
 
@@ -279,7 +282,8 @@ def session_run(tmp_path_factory, name: str, make_args, *, timeout: float = 600)
 def tacl_args(
     shards: dict[str, Path], ds: Path, save_dir: Path, *, max_steps: int = 16, extra: Sequence[str] = ()
 ) -> list[str]:
-    """The TaCL job the resume and export tests share (a NaN injected at step 5 exercises the skip)."""
+    """The TaCL job the resume and export tests share (a NaN injected at step 5 exercises the skip:
+    tests/support/faults.py)."""
     return train_args(
         ds_config=ds,
         objective="tacl",
@@ -293,9 +297,9 @@ def tacl_args(
             "8",
             "--trace_samples",
             "--whole_word_masking",
-            "--debug_nan_steps",
+            "--fault_nan_steps",
             "5",
-            "--debug_nan_rank",
+            "--fault_nan_rank",
             "1",
             *extra,
         ],
