@@ -3,10 +3,12 @@
 - Dense [B, L] batches with no padding (packed shards): SDPA with no mask at all, so CUDA runs its
   flash kernel and nothing reads the mask on the host.
 - Dense batches with padding: SDPA with a boolean key mask (the padded reference path).
-- Unpadded token streams [T] split by `cu_seqlens` (NSP pairs): torch's varlen flash attention on
-  CUDA in bf16/fp16 when no attention dropout is asked for (the kernel has none); otherwise the exact
-  fallback: scatter the tokens into a [B, L_max] grid, SDPA with a key mask, gather them back.
-  Only attention sees the grid; every other layer runs on the T real tokens.
+- Unpadded token streams [T] split by `cu_seqlens` (NSP pairs, and packed blocks cut at their
+  documents): torch's varlen flash attention on CUDA when the projections reach it in bf16/fp16 (bf16
+  weights, or any weights under autocast) and no attention dropout is asked for (the kernel has none:
+  the trainer's default attention dropout is 0); otherwise the exact fallback: scatter the tokens into
+  a [B, L_max] grid, SDPA with a key mask, gather them back. Only attention sees the grid; every other
+  layer runs on the T real tokens. `varlen_path` says which, from what the call sees.
 
 Legend: B sequences, L positions, T real tokens, H heads, E head size, D = H * E.
 """
@@ -48,9 +50,12 @@ def _varlen_kernel():
 _VARLEN = _varlen_kernel()
 
 
-def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the fused varlen kernel can run here (CUDA, 16-bit, torch >= 2.10)."""
-    return _VARLEN is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+def varlen_path(*, device_type: str, dtype: torch.dtype, dropout_p: float, kernel: bool = True) -> str:
+    """Which path `varlen_attention` takes for projections of `dtype` on `device_type` with attention
+    dropout `dropout_p`: "varlen" (the fused kernel: CUDA, bf16/fp16, no dropout) or "fallback".
+    `kernel`: whether this torch has the kernel (torch >= 2.10)."""
+    fused = kernel and device_type == "cuda" and dtype in (torch.float16, torch.bfloat16) and dropout_p == 0
+    return "varlen" if fused else "fallback"
 
 
 def dense_attention(
@@ -79,13 +84,15 @@ def varlen_attention(
     grid_index_T: torch.Tensor,
     key_mask_BL: torch.Tensor,
     dropout_p: float,
-    fused: bool,
 ) -> torch.Tensor:
     """Attention within each sequence of an unpadded stream of fused [T, 3D] query/key/value projections
-    (see `Varlen` for the layout); returns [T, D]. `fused`: use the varlen kernel (the caller checked
-    `varlen_available` and that dropout_p == 0)."""
+    (see `Varlen` for the layout); returns [T, D]. The fused kernel where `varlen_path` allows it (decided
+    from the projections' own dtype and device: static for torch.compile), else the exact fallback."""
     T, D = qkv_T3D.shape[0], qkv_T3D.shape[1] // 3
-    if fused:
+    path = varlen_path(
+        device_type=qkv_T3D.device.type, dtype=qkv_T3D.dtype, dropout_p=dropout_p, kernel=_VARLEN is not None
+    )
+    if path == "varlen":
         q, k, v = qkv_T3D.view(T, 3, heads, D // heads).unbind(1)
         return _VARLEN(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len).reshape(T, D)
     # One scatter of the fused projections (not three): the grid is the only padded tensor.

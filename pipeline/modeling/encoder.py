@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.nn.functional as F
 
-from pipeline.modeling.attention import Varlen, dense_attention, varlen_attention, varlen_available
+from pipeline.modeling.attention import Varlen, dense_attention, varlen_attention
 
 if TYPE_CHECKING:
     from transformers import BertModel
@@ -43,7 +43,6 @@ def layer_forward(
     *,
     heads: int,
     attention_dropout: float,
-    fused: bool,
 ) -> torch.Tensor:
     """One BertLayer on x: [B, L, D] (cu_seqlens None; key_mask_BL None = no padding) or an unpadded
     [T, D] stream (cu_seqlens, grid_index_T, key_mask_BL and max_len of its Varlen layout). Plain
@@ -64,7 +63,6 @@ def layer_forward(
             grid_index_T=grid_index_T,
             key_mask_BL=key_mask_BL,
             dropout_p=p,
-            fused=fused,
         )
     h = a.output.LayerNorm(a.output.dropout(a.output.dense(context)) + x)
     inner = layer.intermediate.intermediate_act_fn(layer.intermediate.dense(h))
@@ -84,7 +82,7 @@ class Encoder:
         self.attention_dropout = float(bert.config.attention_probs_dropout_prob)
         self.layer_fn = torch.compile(layer_forward, dynamic=True) if compile else layer_forward
 
-    def _layers(self, x: torch.Tensor, key_mask_BL, cu_seqlens, grid_index_T, max_len: int, fused: bool):
+    def _layers(self, x: torch.Tensor, key_mask_BL, cu_seqlens, grid_index_T, max_len: int):
         for layer in self.bert.encoder.layer:
             x = self.layer_fn(
                 layer,
@@ -95,7 +93,6 @@ class Encoder:
                 max_len,
                 heads=self.heads,
                 attention_dropout=self.attention_dropout,
-                fused=fused,
             )
         return x
 
@@ -111,7 +108,7 @@ class Encoder:
         B, L = input_ids_BL.shape
         positions = torch.arange(L, device=input_ids_BL.device).expand(B, L)
         first = embed(self.bert, input_ids_BL, token_type_ids_BL, positions)
-        hidden = self._layers(first, key_mask_BL, None, None, L, False)
+        hidden = self._layers(first, key_mask_BL, None, None, L)
         return hidden, (first if output_embeddings else None)
 
     def unpadded(
@@ -125,9 +122,7 @@ class Encoder:
     ):
         """A [T] token stream of B sequences (layout) -> (hidden_TD, embeddings_TD or None)."""
         first = embed(self.bert, input_ids_T, token_type_ids_T, position_ids_T)
-        # The fused kernel has no dropout: with attention dropout in training, the exact fallback runs.
-        fused = varlen_available(first.device, first.dtype) and not (self.bert.training and self.attention_dropout > 0)
-        hidden = self._layers(first, layout.key_mask_BL, layout.cu_seqlens, layout.grid_index_T, layout.max_len, fused)
+        hidden = self._layers(first, layout.key_mask_BL, layout.cu_seqlens, layout.grid_index_T, layout.max_len)
         return hidden, (first if output_embeddings else None)
 
     def pool(self, first_tokens_BD: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import nn
@@ -51,12 +52,15 @@ class InitReport:
         return out
 
 
-def load_pretrained(path: str) -> tuple[BertForPreTraining, InitReport]:
+def load_pretrained(path: str, *, config: Optional[BertConfig] = None) -> tuple[BertForPreTraining, InitReport]:
     """BertForPreTraining from an HF folder holding BertModel or BertForPreTraining weights; heads it
-    lacks are initialised by HF's rule (call torch.manual_seed first for reproducible heads)."""
+    lacks are initialised by HF's rule (call torch.manual_seed first for reproducible heads). `config`:
+    the folder's own config as the run resolved it (its attention dropout), instead of the folder's."""
     folder = Path(path)
-    check_init_from(path)
-    net, info = BertForPreTraining.from_pretrained(folder, output_loading_info=True, attn_implementation="sdpa")
+    cfg = config if config is not None else check_init_from(path)
+    net, info = BertForPreTraining.from_pretrained(
+        folder, config=cfg, output_loading_info=True, attn_implementation="sdpa"
+    )
     return net, InitReport(
         source=str(folder), missing=list(info["missing_keys"]), unexpected=list(info["unexpected_keys"])
     )

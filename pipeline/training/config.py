@@ -103,8 +103,8 @@ class DataArgs:
     )
     nsp_padding: str = cli.knob(
         "remove",
-        "NSP batches: remove = one unpadded token stream split by cu_seqlens "
-        "(varlen attention); keep = right-padded [B, L] (the reference path)",
+        "batches of unequal sequences (NSP pairs, packed blocks cut into documents): remove = one unpadded token "
+        "stream split by cu_seqlens (varlen attention); keep = right-padded [B, L] (the reference path)",
         choices=("remove", "keep"),
         math=False,
     )

@@ -100,6 +100,9 @@ def prepare(cfg: TrainConfig) -> Prepared:
         allow=allow_mismatch,
     )
     check_positions(max_seq_len=info.max_seq_len, config=bcfg, model_source=source)
+    # The student's attention dropout is the run's knob, whatever the preset or folder says (0 by
+    # default: the fused attention kernels have none); RUN/config.json and the export record it.
+    bcfg.attention_probs_dropout_prob = cfg.model.attention_dropout
     found = checkpoint.latest_checkpoint(cfg.run.save_dir)
     if found and cfg.run.resume == "none":
         raise UsageError(

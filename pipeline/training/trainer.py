@@ -77,7 +77,7 @@ def build_student(prep: Prepared, *, compile: bool = False):
 
     torch.manual_seed(prep.cfg.run.seed)
     if prep.cfg.model.init_from:
-        net, report = load_pretrained(prep.cfg.model.init_from)
+        net, report = load_pretrained(prep.cfg.model.init_from, config=prep.bert_config)
         lines = report.lines()
     else:
         net = BertForPreTraining(prep.bert_config)
@@ -291,6 +291,9 @@ def make_collator(prep: Prepared) -> MaskingCollator:
         nsp=prep.use_nsp,
         max_seq_len=prep.data.max_seq_len or prep.bert_config.max_position_embeddings,
         padding=cfg.data.nsp_padding,
+        document_sep_id=tok.sep_token_id
+        if prep.data.format == "packed" and cfg.data.packed_attention == "document"
+        else None,
     )
 
 

@@ -215,3 +215,18 @@ def test_a_save_dir_that_cannot_hold_a_run_is_refused_up_front(shards, ds, tmp_p
     # Read-only storage (procfs refuses every new file, root included).
     with pytest.raises(ValueError, match=r"--save_dir /proc/tokencl_run: cannot write in /proc \("):
         prepare(parse_args(args(ds, shards["packed32"], Path("/proc/tokencl_run"))))
+
+
+def test_attention_dropout_is_the_runs_knob_for_presets_and_init_from(shards, ds, tmp_path):
+    # MiniLM's folder says 0.1; the run's default (0: the fused kernels can run) replaces it, and the
+    # knob replaces both. The prepared config is what the student is built from and what is recorded.
+    assert json.loads((minilm_dir() / "config.json").read_text())["attention_probs_dropout_prob"] == 0.1
+    data = shards["nsp48_minilm"]
+    for extra, expected in (([], 0.0), (["--attention_dropout", "0.1"], 0.1)):
+        p = prepare(parse_args(args(ds, data, tmp_path / "r", extra=["--init_from", str(minilm_dir()), *extra])))
+        assert p.bert_config.attention_probs_dropout_prob == expected
+        p = prepare(parse_args(args(ds, data, tmp_path / "r", extra=["--model_config", "base", *extra])))
+        assert p.bert_config.attention_probs_dropout_prob == expected
+        assert p.bert_config.hidden_dropout_prob == 0.1  # hidden dropout stays
+    with pytest.raises(ValueError, match=r"--attention_dropout must be in \[0, 1\), got 1.0"):
+        parse_args(args(ds, data, tmp_path / "r", extra=["--attention_dropout", "1"]))
