@@ -6,9 +6,10 @@ Config, pre-flight, the data checks, the trainer and the benchmarks ask an `Obje
 with `get`), never compare names. Every objective trains MLM (+ NSP where the data has pairs and NSP is
 on); an objective adds at most one term of its own (`term`, weighted by `weight(args)`).
 
-Adding one: a module that subclasses `Objective`, implements `extra_term` and calls `register` (the
-built-in ones are pipeline.objectives.mlm, .tacl and .taco; tests/unit/test_objectives.py registers a
-toy one and trains it).
+Adding one: a module in this package that subclasses `Objective`, implements `extra_term` and calls
+`register` (the built-in ones are pipeline.objectives.mlm, .tacl and .taco; the package imports every
+module, and config merges each one's `knobs` into its ObjectiveArgs). tests/unit/test_train_step.py
+registers a toy one from the test itself and trains it.
 
 Legend: B sequences, L positions, D hidden size, N masked positions.
 """
