@@ -59,7 +59,9 @@ class BareEngine:
     def backward(self, loss: torch.Tensor) -> None:
         (loss / self.accum).backward()
         if self.masters is not self.params:  # accumulate the 16-bit gradients in fp32, as DeepSpeed does
-            torch._foreach_add_([m.grad for m in self.masters], [p.grad for p in self.params])
+            # (a parameter the objective does not use, e.g. the NSP head on packed blocks, has none)
+            pairs = [(m.grad, p.grad) for m, p in zip(self.masters, self.params) if p.grad is not None]
+            torch._foreach_add_([m for m, _ in pairs], [g for _, g in pairs])
             for p in self.params:
                 p.grad = None
 
