@@ -40,6 +40,7 @@ from preprocessing.shard_format import (
     BuildManifest,
     format_of,
     has_tokenizer,
+    pickled_columns,
 )
 
 _READ_BLOCK = 8 << 20  # bytes read at a time while hashing
@@ -243,6 +244,13 @@ def _inspect_one(path: str, *, i: int, cache_root: str, verify_files: bool) -> t
             f"--data {path}: the index lists no samples ({len(shards)} shard(s)); the build "
             f"produced nothing (see its rejects.jsonl and {MANIFEST})"
         )
+    for s in shards:
+        if pickled := pickled_columns(s):
+            raise ShardError(
+                f"--data {path}: {index_path} declares column(s) {', '.join(pickled)} for shard "
+                f"{_file_info(s, 'raw_data').get('basename')}: reading them would unpickle whatever the shard "
+                f"holds (code runs on read), so nothing was read; build the shards with preprocessing/build_shards.py"
+            )
     columns = list(shards[0].get("column_names", []))
     for s in shards:
         if list(s.get("column_names", [])) != columns:
