@@ -11,6 +11,7 @@ leaves. Anything else is the user's: --overwrite then refuses, naming it, and de
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import shutil
@@ -126,6 +127,41 @@ def _check_only_a_build(out: Path, entries: list[Path], *, has_manifest: bool) -
             f"--output {out}: holds a previous build and also {shown}, which the builder did not write; "
             f"--overwrite deleted nothing: move them out, or choose another --output"
         )
+
+
+# ---- a full disk --------------------------------------------------------------------------------
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def disk_full_error(out: Path, err: OSError, *, input_bytes: int, part_stats: str) -> UsageError:
+    """The one-line error for a build that ran out of space in OUTPUT: how much is free, how much more
+    the rest of the build needs (estimated from the finished parts' shard bytes per input byte), and
+    that --resume continues it (finished parts are kept; interrupted ones are redone)."""
+    done_in = done_out = parts = 0
+    for stats in out.glob(f"part-*/{part_stats}"):
+        try:
+            counts = json.loads(stats.read_text())["counts"]
+            done_in, done_out, parts = done_in + counts["input_bytes"], done_out + counts["bytes"], parts + 1
+        except (OSError, ValueError, KeyError):
+            continue
+    left = max(0, input_bytes - done_in)
+    if done_in:
+        need = (
+            f"about {_size(left * done_out / done_in)} more for the {_size(left)} of input left (the {parts} "
+            f"finished part(s) hold {_size(done_out)} of shards for {_size(done_in)} of input)"
+        )
+    else:
+        need = f"up to about the input's {_size(input_bytes)} (no part finished yet)"
+    free = shutil.disk_usage(out).free if out.exists() else 0
+    where = f" writing {err.filename}" if err.filename else ""
+    return UsageError(
+        f"--output {out}: its file system is full ({err.strerror}{where}; {_size(free)} free): free {need}, "
+        f"then rerun with --resume to continue the build (finished parts are kept)"
+    )
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.0f} kB"
 
 
 # ---- resume -------------------------------------------------------------------------------------
