@@ -3,8 +3,8 @@
 - One declaration per knob: a dataclass field made with `knob()` carries its default, help text and
   choices; `add_arguments` turns a dataclass into argparse flags, so no flag is written twice.
 - Configuration files (`--config FILE`, JSON or YAML) hold the same fields, grouped in sections;
-  `merge_sections` applies defaults, then the file, then the flags the user actually typed, and an
-  unknown key is an error that names it.
+  `merge_sections` applies defaults, then the file, then the flags the user actually typed; an
+  unknown key, or a value of the wrong type for its field (`file_value`), is an error that names it.
 - The exit-code policy: a `UsageError` (bad flag, file or value) exits 2 with one line; anything else
   is a bug, and Python prints its traceback and exits 1.
 """
