@@ -3,8 +3,8 @@
 - One declaration per knob: a dataclass field made with `knob()` carries its default, help text and
   choices; `add_arguments` turns a dataclass into argparse flags, so no flag is written twice.
 - Configuration files (`--config FILE`, JSON or YAML) hold the same fields, grouped in sections;
-  `merge_sections` applies defaults, then the file, then the flags the user actually typed, and an
-  unknown key is an error that names it.
+  `merge_sections` applies defaults, then the file, then the flags the user actually typed; an
+  unknown key, or a value of the wrong type for its field (`file_value`), is an error that names it.
 - The exit-code policy: a `UsageError` (bad flag, file or value) exits 2 with one line; anything else
   is a bug, and Python prints its traceback and exits 1.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -182,14 +183,76 @@ def merge_sections(
                 raise UsageError(f"{source}: unknown key {key}.{name}; the keys of {key} are {sorted(known)}")
     out = {}
     for key, cls in sections.items():
-        values = {**file_values.get(key, {}), **cli_values.get(key, {})}
-        hints = typing.get_type_hints(cls)
-        for name, value in values.items():
-            # JSON has no tuples: turn lists back into what the field holds.
-            if typing.get_origin(_base_type(hints[name])) is tuple and isinstance(value, list):
-                values[name] = tuple(value)
-        out[key] = cls(**values)
+        hints, fields = typing.get_type_hints(cls), {f.name: f for f in knob_fields(cls)}
+        typed = {
+            name: file_value(
+                value, hints[name], choices=fields[name].metadata["choices"], where=f"{source}: {key}.{name}"
+            )
+            for name, value in file_values.get(key, {}).items()
+        }
+        out[key] = cls(**{**typed, **cli_values.get(key, {})})
     return out
+
+
+# A number as YAML 1.2 writes it. PyYAML follows YAML 1.1, where `1e-3` (no dot) is a string.
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def file_value(value: Any, annotation: Any, *, choices: Optional[tuple], where: str) -> Any:
+    """A --config file's value as its field holds it, checked against the field's annotation and
+    choices: ints where floats go (and a string that is a number, YAML 1.1's `1e-3`), lists for tuples,
+    null for Optional. UsageError naming `where` (file and key) and the expected type otherwise."""
+    try:
+        typed = _typed(value, annotation)
+    except TypeError:
+        raise UsageError(
+            f"{where} is {json.dumps(value, default=str)} ({type(value).__name__}); expected {_expected(annotation)}"
+        ) from None
+    if choices and typed is not None and typed not in choices:
+        raise UsageError(f"{where} is {typed!r}; expected one of {', '.join(map(str, choices))}")
+    return typed
+
+
+def _typed(value: Any, annotation: Any) -> Any:
+    """`value` as `annotation` holds it; TypeError when it is not one."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Union:
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _typed(value, arg)
+            except TypeError:
+                pass
+        raise TypeError
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise TypeError
+        items = [_typed(v, args[0]) for v in value] if args else list(value)
+        return tuple(items) if origin is tuple else items
+    if annotation is float and isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        return float(value)
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation in (bool, int, float, str) and type(value) is not annotation:  # bool is an int subclass
+        raise TypeError
+    if annotation is Any or isinstance(value, annotation):
+        return value
+    if isinstance(value, str):  # Path and the like, from their text
+        return annotation(value)
+    raise TypeError
+
+
+def _expected(annotation: Any) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Union:
+        return " or ".join(_expected(a) for a in args if a is not type(None)) + (
+            " or null" if type(None) in args else ""
+        )
+    if origin in (list, tuple):
+        return f"a list of {_expected(args[0]).removeprefix('an ').removeprefix('a ')}s" if args else "a list"
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    return names.get(annotation, f"a {getattr(annotation, '__name__', annotation)}")
 
 
 def missing_required(instances: Mapping[str, Any]) -> list[str]:

@@ -4,7 +4,8 @@ against the step, one panel per field, one colour per run.
     python pipeline/plot_runs.py RUN [RUN ...] --out curves.png     (or: tokencl-plot-runs ...)
 
 RUN is a run folder (--save_dir) or a metrics.jsonl; only metrics.jsonl is read. Runs that lack a field
-are named on stderr and in its panel. The logic is in pipeline/training/curves.py.
+are named on stderr and in its panel; values that cannot be drawn (NaN, infinite, beyond 1e300) are
+gaps, named on stderr. The logic is in pipeline/training/curves.py.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from decimal import Decimal
 from pathlib import Path
 from typing import Optional
 
@@ -38,6 +40,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for r in runs:
             if r.bad_lines:
                 print(f"plot_runs.py: note: {r.path}: {r.bad_lines} line(s) without a step skipped", file=sys.stderr)
+            for name, points in r.left_out().items():
+                # Decimal formats an int of any size (a float of it would overflow).
+                shown = ", ".join(f"{Decimal(v) if isinstance(v, int) else v:.4g} at step {s}" for s, v in points[:3])
+                shown += ", ..." if len(points) > 3 else ""
+                print(f"plot_runs.py: note: {r.path}: {name} not drawn where it is {shown}", file=sys.stderr)
         for name, labels in plan.missing.items():
             print(f"plot_runs.py: note: {name} is not in {', '.join(labels)}", file=sys.stderr)
         steps = ", ".join(f"{r.label} (steps {r.records[0]['step']}-{r.records[-1]['step']})" for r in runs)

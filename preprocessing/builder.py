@@ -31,9 +31,11 @@ from preprocessing.inputs import Chunk, InputFile, auto_chunk_bytes, plan_chunks
 from preprocessing.lock import output_lock
 from preprocessing.mds import merge_local_indexes
 from preprocessing.output import (
+    DISK_FULL,
     check_output_path,
     check_resumable,
     concat_rejects,
+    disk_full_error,
     fingerprint,
     make_output,
     prepare_output,
@@ -74,22 +76,27 @@ def build_shards(cfg: BuildConfig) -> BuildManifest:
     if not chunks:
         raise UsageError(f"--input {' '.join(cfg.inputs)}: every matched file is empty")
     make_output(out)
-    with output_lock(out):
-        previous = prepare_output(out, overwrite=cfg.overwrite, resume=cfg.resume)
-        with _ray_session(cfg) as ray:
-            workers = _worker_slots(ray, cfg)
-            _warm_up(ray, workers=workers, cfg=cfg)
-            manifest = _build(
-                ray,
-                cfg,
-                out=out,
-                files=files,
-                chunks=chunks,
-                chunk_bytes=chunk_bytes,
-                previous=previous,
-                workers=workers,
-                t0=t0,
-            )
+    try:
+        with output_lock(out):
+            previous = prepare_output(out, overwrite=cfg.overwrite, resume=cfg.resume)
+            with _ray_session(cfg) as ray:
+                workers = _worker_slots(ray, cfg)
+                _warm_up(ray, workers=workers, cfg=cfg)
+                manifest = _build(
+                    ray,
+                    cfg,
+                    out=out,
+                    files=files,
+                    chunks=chunks,
+                    chunk_bytes=chunk_bytes,
+                    previous=previous,
+                    workers=workers,
+                    t0=t0,
+                )
+    except OSError as err:  # from this process or, re-raised by _run_chunks, from a chunk task
+        if err.errno not in DISK_FULL:
+            raise
+        raise disk_full_error(out, err, input_bytes=total_bytes, part_stats=PART_STATS) from err
     return manifest
 
 
@@ -295,6 +302,8 @@ def _run_chunks(
                 cause = getattr(err, "cause", err)  # a RayTaskError carries the task's own exception
                 if isinstance(cause, UsageError):  # bad input, named by the task: no traceback
                     raise UsageError(f"{cause} [{chunk.name}; finished parts are kept]") from None
+                if isinstance(cause, OSError) and cause.errno in DISK_FULL:  # build_shards says what to free
+                    raise cause from None
                 raise RuntimeError(
                     f"{chunk.describe()} failed; finished parts are kept, rerun with --resume to continue: {err}"
                 ) from err

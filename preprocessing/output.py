@@ -2,14 +2,18 @@
 whether --resume may continue the build in it (same settings, inputs unchanged: each file's size
 and modification time, and a digest of the bytes every finished part was made from).
 
-OUTPUT is ours when it is empty, or holds a previous build: a build_manifest.json, an index.json or
-part folders, or only what a build writes before its manifest (tokenizer/, its temporary copy, the
-manifest's temporary file), which is what a build killed while preparing its tokenizer leaves.
+OUTPUT is ours when it is empty, or holds a previous build: a build_manifest.json beside nothing but
+what the builder writes (index.json, part-XXXXX/ folders of shard files, tokenizer/, rejects.jsonl,
+their temporary forms), or only what a build writes before its manifest (tokenizer/, its temporary
+copy, the manifest's temporary file), which is what a build killed while preparing its tokenizer
+leaves. Anything else is the user's: --overwrite then refuses, naming it, and deletes nothing.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -20,6 +24,11 @@ from preprocessing.shard_format import INDEX, MANIFEST, REJECTS, TOKENIZER_DIR, 
 
 EARLY_ARTEFACTS = frozenset({TOKENIZER_DIR, TOKENIZER_DIR + ".tmp", MANIFEST + ".tmp"})
 """What a build writes before its first manifest."""
+_BUILD_FILES = frozenset({MANIFEST, MANIFEST + ".tmp", INDEX, INDEX + ".tmp", REJECTS})
+_BUILD_DIRS = frozenset({TOKENIZER_DIR, TOKENIZER_DIR + ".tmp"})
+# A part folder (process.py: written as .tmp-part-XXXXX-<8 hex>, renamed to part-XXXXX) and what it holds.
+_PART_DIR = re.compile(r"(\.tmp-)?part-\d{5}(?(1)-[0-9a-f]{8})")
+_PART_FILE = re.compile(r"index\.json|part_stats\.json|rejects\.jsonl|shard\.\d{5}\.mds(\.zstd)?")
 
 
 def check_output_path(out: Path) -> None:
@@ -70,12 +79,7 @@ def prepare_output(out: Path, *, overwrite: bool, resume: bool) -> BuildManifest
             _clear(entries)
             return None
     if overwrite:
-        looks_built = has_manifest or (out / INDEX).exists() or any(out.glob("part-*"))
-        if not looks_built:
-            raise UsageError(
-                f"--output {out}: is not empty and holds no previous build; "
-                "--overwrite only replaces builds (remove the folder yourself)"
-            )
+        _check_only_a_build(out, entries, has_manifest=has_manifest)
         _clear(entries)
         return None
     if resume:
@@ -88,6 +92,76 @@ def prepare_output(out: Path, *, overwrite: bool, resume: bool) -> BuildManifest
     raise UsageError(
         f"--output {out}: is not empty; pass --resume to finish the build in it or --overwrite to replace it"
     )
+
+
+def _foreign(entries: list[Path]) -> list[str]:
+    """The entries (and part-folder files) that the builder does not write, as paths relative to OUTPUT."""
+    out = []
+    for child in entries:
+        if child.is_symlink():
+            out.append(child.name)
+        elif child.is_dir() and _PART_DIR.fullmatch(child.name):
+            out += [
+                f"{child.name}/{f.name}" for f in child.iterdir() if not (f.is_file() and _PART_FILE.fullmatch(f.name))
+            ]
+        elif not (child.name in _BUILD_DIRS and child.is_dir()) and not (
+            child.name in _BUILD_FILES and child.is_file()
+        ):
+            out.append(child.name + ("/" if child.is_dir() else ""))
+    return sorted(out)
+
+
+def _check_only_a_build(out: Path, entries: list[Path], *, has_manifest: bool) -> None:
+    """--overwrite clears OUTPUT only when its manifest shows a previous build and nothing else is in it;
+    otherwise a UsageError naming what is not the builder's (nothing is deleted)."""
+    if not has_manifest:
+        raise UsageError(
+            f"--output {out}: is not empty and holds no previous build (no {MANIFEST}); --overwrite only "
+            f"replaces builds, so nothing was deleted: choose an empty or new folder"
+        )
+    BuildManifest.read(out / MANIFEST)  # an unreadable manifest proves nothing: UsageError naming it
+    foreign = _foreign(entries)
+    if foreign:
+        shown = ", ".join(foreign[:8]) + (f" and {len(foreign) - 8} more" if len(foreign) > 8 else "")
+        raise UsageError(
+            f"--output {out}: holds a previous build and also {shown}, which the builder did not write; "
+            f"--overwrite deleted nothing: move them out, or choose another --output"
+        )
+
+
+# ---- a full disk --------------------------------------------------------------------------------
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def disk_full_error(out: Path, err: OSError, *, input_bytes: int, part_stats: str) -> UsageError:
+    """The one-line error for a build that ran out of space in OUTPUT: how much is free, how much more
+    the rest of the build needs (estimated from the finished parts' shard bytes per input byte), and
+    that --resume continues it (finished parts are kept; interrupted ones are redone)."""
+    done_in = done_out = parts = 0
+    for stats in out.glob(f"part-*/{part_stats}"):
+        try:
+            counts = json.loads(stats.read_text())["counts"]
+            done_in, done_out, parts = done_in + counts["input_bytes"], done_out + counts["bytes"], parts + 1
+        except (OSError, ValueError, KeyError):
+            continue
+    left = max(0, input_bytes - done_in)
+    if done_in:
+        need = (
+            f"about {_size(left * done_out / done_in)} more for the {_size(left)} of input left (the {parts} "
+            f"finished part(s) hold {_size(done_out)} of shards for {_size(done_in)} of input)"
+        )
+    else:
+        need = f"up to about the input's {_size(input_bytes)} (no part finished yet)"
+    free = shutil.disk_usage(out).free if out.exists() else 0
+    where = f" writing {err.filename}" if err.filename else ""
+    return UsageError(
+        f"--output {out}: its file system is full ({err.strerror}{where}; {_size(free)} free): free {need}, "
+        f"then rerun with --resume to continue the build (finished parts are kept)"
+    )
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.0f} kB"
 
 
 # ---- resume -------------------------------------------------------------------------------------
@@ -165,9 +239,10 @@ def verify_done_parts(out: Path, done: list, *, part_stats: str) -> None:
 def remove_stale(out: Path, *, keep: set[str], part_stats: str) -> None:
     """Drop temporary folders of interrupted tasks and parts that are not in this plan."""
     for child in out.iterdir():
-        if child.name.startswith(".tmp-part-") or (child.name.startswith("part-") and child.name not in keep):
-            shutil.rmtree(child, ignore_errors=True)
-        elif child.name.startswith("part-") and not (child / part_stats).is_file():
+        # Only the builder's own part folders (by their exact name pattern); a user's part-notes/ stays.
+        if not (child.is_dir() and not child.is_symlink() and _PART_DIR.fullmatch(child.name)):
+            continue
+        if child.name.startswith(".tmp-") or child.name not in keep or not (child / part_stats).is_file():
             shutil.rmtree(child, ignore_errors=True)
 
 

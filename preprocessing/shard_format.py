@@ -60,6 +60,15 @@ SIZE_LIMIT_BYTES = 64 << 20  # streaming's "64mb" (binary units)
 
 REQUIRED_COLUMNS = ("input_ids", "token_type_ids", "word_starts")
 NSP_COLUMN = "nsp_label"
+# streaming decodes every column of a sample it reads, and its `pkl` encoding is pickle.loads: a
+# crafted index.json + shard would run code in every reader. No build of ours writes one.
+PICKLED_ENCODINGS = ("pkl",)
+
+
+def pickled_columns(shard: dict[str, Any]) -> list[str]:
+    """The columns of one MDS index entry whose encoding would unpickle on read ('name (encoding)')."""
+    names, encodings = shard.get("column_names") or [], shard.get("column_encodings") or []
+    return [f"{n} ({e})" for n, e in zip(names, encodings) if str(e).split(":")[0] in PICKLED_ENCODINGS]
 
 
 def id_dtype_for(vocab_size: int) -> type:

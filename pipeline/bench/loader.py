@@ -23,7 +23,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from pipeline.bench.common import REPO, SAMPLE_CORPUS, default_tokenizer, emit_json, loader_samples_per_s
+from pipeline.bench.common import (
+    REPO,
+    SAMPLE_CORPUS,
+    default_tokenizer,
+    emit_json,
+    loader_samples_per_s,
+    reusable_shards,
+)
 
 TARGET_PER_WORKER = 8000.0
 SHARED_CORPORA = REPO.parent / "shared" / "corpora"
@@ -66,7 +73,7 @@ def _build(work: Path, *, tokenizer: str, seq_len: int, repeat: int, mb: float) 
 
     inputs, text = _corpus(work / "corpus", repeat=repeat, mb=mb)
     out = {fmt: work / f"{fmt}{seq_len}" for fmt in ("packed", "nsp")}
-    if all((p / "index.json").is_file() for p in out.values()):
+    if reusable_shards(list(out.values())):
         return out, text
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

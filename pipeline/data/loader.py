@@ -4,7 +4,8 @@ StreamingDataLoader around it, with per-node shared-memory prefixes and per-atte
 A shard that fails to arrive or to decompress (its xxh64 differs from the index, say) ends the job
 with a ShardError naming the source's file, on whichever worker thread streaming prepared it.
 
-`build_loader` runs after the process group exists, as mosaicml-streaming requires.
+`open_dataset` is the one way shards are opened for reading (the trainer's `build_loader`, the analysis,
+the benchmarks); it runs after the process group exists, as mosaicml-streaming requires.
 """
 
 from __future__ import annotations
@@ -343,6 +344,54 @@ def _attempt_caches(info: DataInfo) -> list[str]:
     return out
 
 
+def open_dataset(
+    info: DataInfo,
+    *,
+    vocab_size: int,
+    batch_size: int,
+    shuffle: bool,
+    seed: int,
+    run_id: str,
+    weights: Optional[Sequence[float]] = None,
+    num_canonical_nodes: Optional[int] = None,
+):
+    """The streaming dataset over every source of `info` (what `inspect_data` checked and verified), as
+    every reader of shards opens it: the trainer's loader, the analysis, the benchmarks. A local
+    folder of decompressed shards is read in place; `.mds.zstd` shards and remote data go through this
+    node's cache (`_attempt_caches`), never into the data folder; each file's xxh64 is checked as it is
+    prepared and each sample as it is read (IdStreamingDataset). With a process group, call it on every
+    rank after the group exists, as mosaicml-streaming requires."""
+    from streaming import Stream
+
+    distributed.normalize_launch_env()
+    markers = _separate_colocated_nodes(run_id)
+    locals_ = _attempt_caches(info)
+    total = sum(weights) if weights else None
+    streams = [
+        Stream(
+            # A cached local folder is streaming's "remote": it copies each .zstd into the cache,
+            # checks it and decompresses it there, and removes the copy.
+            remote=s.remote or (s.local if s.cache else None),
+            local=local,
+            proportion=(w / total) if weights else None,
+            validate_hash=HASH if s.hashed else None,
+        )
+        for s, local, w in zip(info.sources, locals_, weights or [None] * len(info.sources))
+    ]
+    dataset = _streaming_dataset_class()(
+        streams=streams,
+        vocab_size=vocab_size,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        shuffle_seed=seed,
+        num_canonical_nodes=num_canonical_nodes,
+    )
+    for m in markers or []:
+        # Only the prefix search needed them; streaming's own lock files are not among them.
+        m.unlink(missing_ok=True)
+    return dataset
+
+
 def build_loader(
     info: DataInfo,
     *,
@@ -364,7 +413,7 @@ def build_loader(
     bounds the wait for a batch: at an epoch's start streaming's workers meet at a node-wide barrier
     without a timeout of its own, where a hung rank would otherwise hang the others for good.
     """
-    from streaming import Stream, StreamingDataLoader
+    from streaming import StreamingDataLoader
 
     class Loader(StreamingDataLoader):
         # streaming counts the samples it has yielded (its resume state) as the length of a batch's
@@ -376,32 +425,16 @@ def build_loader(
             for batch in super().__iter__():
                 yield unpack_batch(batch)
 
-    distributed.normalize_launch_env()
-    markers = _separate_colocated_nodes(run_id)
-    locals_ = _attempt_caches(info)
-    total = sum(weights) if weights else None
-    streams = [
-        Stream(
-            # A cached local folder is streaming's "remote": it copies each .zstd into the cache,
-            # checks it and decompresses it there, and removes the copy.
-            remote=s.remote or (s.local if s.cache else None),
-            local=local,
-            proportion=(w / total) if weights else None,
-            validate_hash=HASH if s.hashed else None,
-        )
-        for s, local, w in zip(info.sources, locals_, weights or [None] * len(info.sources))
-    ]
-    dataset = _streaming_dataset_class()(
-        streams=streams,
+    dataset = open_dataset(
+        info,
         vocab_size=vocab_size,
         batch_size=micro_batch,
         shuffle=True,
-        shuffle_seed=seed,
+        seed=seed,
+        run_id=run_id,
+        weights=weights,
         num_canonical_nodes=num_canonical_nodes,
     )
-    for m in markers or []:
-        # Only the prefix search needed them; streaming's own lock files are not among them.
-        m.unlink(missing_ok=True)
     loader = Loader(
         dataset,
         batch_size=micro_batch,

@@ -40,6 +40,7 @@ from preprocessing.shard_format import (
     BuildManifest,
     format_of,
     has_tokenizer,
+    pickled_columns,
 )
 
 _READ_BLOCK = 8 << 20  # bytes read at a time while hashing
@@ -217,6 +218,32 @@ def _fetch_remote(path: str, *, local: str) -> None:
         shutil.rmtree(Path(local) / TOKENIZER_DIR, ignore_errors=True)
 
 
+def _columns(path: str, *, index_path: Path, shards: list[dict[str, Any]]) -> list[str]:
+    """The columns every shard of one source declares. Refused before any sample is read: a column that
+    would unpickle on read, shards that disagree, a required column missing."""
+    for s in shards:
+        if pickled := pickled_columns(s):
+            raise ShardError(
+                f"--data {path}: {index_path} declares column(s) {', '.join(pickled)} for shard "
+                f"{_file_info(s, 'raw_data').get('basename')}: reading them would unpickle whatever the shard "
+                f"holds (code runs on read), so nothing was read; build the shards with preprocessing/build_shards.py"
+            )
+    columns = list(shards[0].get("column_names", []))
+    for s in shards:
+        if list(s.get("column_names", [])) != columns:
+            raise ShardError(
+                f"{index_path}: shard {s.get('raw_data', {}).get('basename')} has columns "
+                f"{s.get('column_names')}, the first shard {columns}; rebuild the shards"
+            )
+    missing = [c for c in REQUIRED_COLUMNS if c not in columns]
+    if missing:
+        raise UsageError(
+            f"--data {path}: samples lack column(s) {missing} (have {columns}); build them with "
+            f"preprocessing/build_shards.py"
+        )
+    return columns
+
+
 def _inspect_one(path: str, *, i: int, cache_root: str, verify_files: bool) -> tuple[SourceInfo, int]:
     """One source's SourceInfo, and the bytes hashed to verify its files."""
     remote = path if is_remote(path) else None
@@ -243,19 +270,7 @@ def _inspect_one(path: str, *, i: int, cache_root: str, verify_files: bool) -> t
             f"--data {path}: the index lists no samples ({len(shards)} shard(s)); the build "
             f"produced nothing (see its rejects.jsonl and {MANIFEST})"
         )
-    columns = list(shards[0].get("column_names", []))
-    for s in shards:
-        if list(s.get("column_names", [])) != columns:
-            raise ShardError(
-                f"{index_path}: shard {s.get('raw_data', {}).get('basename')} has columns "
-                f"{s.get('column_names')}, the first shard {columns}; rebuild the shards"
-            )
-    missing = [c for c in REQUIRED_COLUMNS if c not in columns]
-    if missing:
-        raise UsageError(
-            f"--data {path}: samples lack column(s) {missing} (have {columns}); build them with "
-            f"preprocessing/build_shards.py"
-        )
+    columns = _columns(path, index_path=index_path, shards=shards)
     hashed = all(
         HASH in (_file_info(s, key).get("hashes") or {})
         for s in shards

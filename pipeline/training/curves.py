@@ -35,14 +35,24 @@ class RunCurves:
     bad_lines: int = 0  # lines that were not JSON records with a step (a line being written, a cut file)
 
     def fields(self) -> set[str]:
-        """The fields with at least one number."""
+        """The fields with at least one number that can be drawn."""
         return {k for r in self.records for k, v in r.items() if _number(v) is not None}
 
     def series(self, name: str) -> tuple[list[int], list[float]]:
-        """(steps, values) of one field; records without a number for it are left out."""
+        """(steps, values) of one field; records without a number for it that can be drawn are left out."""
         pts = [(r["step"], _number(r.get(name))) for r in self.records]
         pts = [(s, v) for s, v in pts if v is not None]
         return [s for s, _ in pts], [v for _, v in pts]
+
+    def left_out(self) -> dict[str, list[tuple[int, Any]]]:
+        """field -> (step, value) of the numbers `series` leaves out: NaN, infinities, and values beyond
+        PLOT_LIMIT."""
+        out: dict[str, list[tuple[int, Any]]] = {}
+        for r in self.records:
+            for k, v in r.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and _number(v) is None:
+                    out.setdefault(k, []).append((r["step"], v))
+        return out
 
 
 @dataclass
@@ -53,10 +63,20 @@ class Plan:
     missing: dict[str, list[str]] = field(default_factory=dict)
 
 
+# matplotlib computes a panel's limits and ticks from the span of its values: a span near the largest
+# float (~1.8e308) overflows there ("arange: cannot compute length"). Values beyond this are left out.
+PLOT_LIMIT = 1e300
+
+
 def _number(v: Any) -> Optional[float]:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    """v as a float that can be drawn, else None (not a number, NaN, infinite, beyond PLOT_LIMIT)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
-    return float(v)
+    try:
+        x = float(v)  # an int of 400 digits: OverflowError
+    except OverflowError:
+        return None
+    return x if math.isfinite(x) and abs(x) <= PLOT_LIMIT else None
 
 
 def read_run(spec: str) -> RunCurves:
@@ -71,6 +91,8 @@ def read_run(spec: str) -> RunCurves:
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             r = json.loads(line)
+            if _number(r["step"]) is None:  # 1e400 reads as inf: no step to draw it at
+                raise ValueError
             step = int(r["step"])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             bad += int(bool(line.strip()))

@@ -98,7 +98,9 @@ def test_analyze_on_mds_shards(tmp_path):
                 }
             )
     tok.save_pretrained(tmp_path / "shards" / "tokenizer")  # the builder always writes DIR/tokenizer/
-    seqs, stats = read_mds_sequences(tmp_path / "shards", special_ids={0, 2, 3, 4}, max_sequences=4)
+    seqs, stats = read_mds_sequences(
+        tmp_path / "shards", special_ids={0, 2, 3, 4}, max_sequences=4, vocab_size=len(tok)
+    )
     assert stats.sequences == 4 and stats.skipped == {"beyond_max_sequences": 2}
     assert seqs[0].sentence_ids == [-1, 0, 0, 0, -1, 1, 1, 1, 1, -1]
     assert seqs[1].sentence_ids == [-1, 0, 0, 0, -1, 1, 1, 1, 1]
@@ -126,7 +128,7 @@ def test_analyze_on_mds_shards(tmp_path):
                 }
             )
     tok.save_pretrained(tmp_path / "packed" / "tokenizer")
-    _, stats = read_mds_sequences(tmp_path / "packed", special_ids={0, 2, 3, 4}, max_sequences=4)
+    _, stats = read_mds_sequences(tmp_path / "packed", special_ids={0, 2, 3, 4}, max_sequences=4, vocab_size=len(tok))
     assert len(stats.notes) == 1 and "intra-sentence is (nearly) intra-context" in stats.notes[0]
     r = run_analyze("--model", str(model), "--data", str(tmp_path / "packed"), "--out", str(tmp_path / "rp"))
     assert r.returncode == 0, r.stderr

@@ -130,6 +130,45 @@ def test_a_build_stopped_before_its_manifest_is_replaced_or_resumed(ray_here, co
     assert shard_hashes(out) == built
 
 
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 160 kB tmpfs: a real file system that fills up (mounting needs root or CAP_SYS_ADMIN; the
+    test is skipped where that is refused). Yields (mount point, a function that resizes it)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or r.returncode})")
+    try:
+        yield mnt, lambda size: subprocess.run(["mount", "-o", f"remount,size={size}", str(mnt)], check=True)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_full_disk_is_one_line_naming_the_output_and_the_build_resumes(
+    ray_here, corpus, tmp_path, small_tmpfs, capsys
+):
+    """Issue 31: ENOSPC while a chunk task wrote its shards ended the build with a RuntimeError
+    traceback. Now: exit 2, one line naming the output folder and what to free; after freeing space,
+    --resume finishes it with the shards a build that never ran out of space makes."""
+    mnt, resize = small_tmpfs
+    src = tmp_path / "en.txt"
+    src.write_text((corpus.dir / "en.txt").read_text(encoding="utf-8") * 20, encoding="utf-8")
+    out = mnt / "out"
+    args = cli(corpus, [f"en:{src}"], out, "--chunk_mb", "0.05")
+    assert main(args) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("build_shards.py: error:")]
+    assert len(err) == 1, err
+    assert f"--output {out}: its file system is full (No space left on device" in err[0]
+    assert re.search(r"free about [\d.]+ [kM]B more for the [\d.]+ [kM]B of input left", err[0]), err[0]
+    assert err[0].endswith("then rerun with --resume to continue the build (finished parts are kept)")
+    assert json.loads((out / "build_manifest.json").read_text())["status"] == "running"
+    resize("16m")
+    assert main(args + ["--resume"]) == 0
+    assert main(cli(corpus, [f"en:{src}"], tmp_path / "clean", "--chunk_mb", "0.05")) == 0
+    assert shard_hashes(out) == shard_hashes(tmp_path / "clean")
+
+
 def test_a_build_that_writes_no_sample_exits_2_saying_why(ray_here, corpus, tmp_path, capsys):
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("A short document.\n\nAnother one.\n")

@@ -77,6 +77,37 @@ def test_yaml_config(tmp_path):
     assert cfg.schedule.warmup_steps == 1  # the paper default, capped at 10% of the run, resolved after the file
 
 
+def test_yaml_values_are_checked_against_the_fields_types(tmp_path):
+    """Issue 31: YAML's `lr: 1e-3` (a string in YAML 1.1) gave a TypeError traceback, and `seed: 1.5`
+    crashed after the process group started. Values are now checked (and converted where unambiguous)
+    when the file is merged."""
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "schedule:\n  lr: 1e-3\ndata:\n  data_weights: [2]\n  max_seq_len: null\n"
+        "run:\n  dist_timeout_s: 60\n  report_to: [tensorboard]\n"
+    )
+    cfg = C.parse_args(["--config", str(path)] + BASE)
+    assert cfg.schedule.lr == 0.001 and cfg.data.data_weights == [2.0] and cfg.data.max_seq_len is None
+    assert cfg.run.dist_timeout_s == 60.0 and isinstance(cfg.run.dist_timeout_s, float)
+    assert cfg.run.report_to == ("tensorboard",)
+    bad = {
+        "run:\n  seed: 1.5\n": "run.seed is 1.5 (float); expected an integer",
+        "run:\n  save_every: true\n": "run.save_every is true (bool); expected an integer",
+        "schedule:\n  lr: fast\n": 'schedule.lr is "fast" (str); expected a number or null',
+        "schedule:\n  max_steps: 1e4\n": 'schedule.max_steps is "1e4" (str); expected an integer',
+        "data:\n  data: shards\n": 'data.data is "shards" (str); expected a list of strings',
+        "data:\n  data_weights: [1, x]\n": 'data.data_weights is [1, "x"] (list); expected a list of numbers or null',
+        "model:\n  tokenizer: 5\n": "model.tokenizer is 5 (int); expected a string or null",
+        "data:\n  whole_word_masking: 1\n": "data.whole_word_masking is 1 (int); expected true or false",
+        "objective:\n  taco_anchors: some\n": "objective.taco_anchors is 'some'; expected one of all, masked, unmasked",
+    }
+    for content, message in bad.items():
+        path.write_text(content)
+        with pytest.raises(UsageError) as e:
+            C.parse_args(["--config", str(path)] + BASE)
+        assert str(e.value) == f"--config {path}: {message}"
+
+
 @pytest.mark.parametrize(
     "content, message",
     [

@@ -124,3 +124,28 @@ def test_null_and_non_finite_values_are_gaps_not_points(tmp_path):
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     run = curves.read_run(str(folder))
     assert run.series("loss") == ([1], [2.0]) and run.series("grad_norm") == ([2], [1.0])
+
+
+def test_values_too_large_to_draw_are_gaps_named_on_stderr(tmp_path, capsys):
+    """Issue 31: a step of 1e400 (JSON's inf) raised OverflowError, and values near the largest float made
+    matplotlib's tick computation fail; both were tracebacks. Now the rest is drawn and they are named."""
+    folder = tmp_path / "r"
+    folder.mkdir()
+    lines = [
+        '{"step": 1, "loss": 2.0, "grad_norm": 1.0}',
+        '{"step": 1e400, "loss": 1.0}',
+        '{"step": 2, "loss": 1e308, "grad_norm": 1' + "0" * 400 + "}",
+        '{"step": 3, "loss": -1e308, "grad_norm": 0.5}',
+        '{"step": 4, "loss": 1.5, "grad_norm": NaN}',
+    ]
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    run = curves.read_run(str(folder))
+    assert run.bad_lines == 1 and [r["step"] for r in run.records] == [1, 2, 3, 4]
+    assert run.series("loss") == ([1, 4], [2.0, 1.5]) and run.series("grad_norm") == ([1, 3], [1.0, 0.5])
+    out = tmp_path / "c.png"
+    assert plot_runs.main([str(folder), "--out", str(out)]) == 0
+    assert_png(out)
+    err = capsys.readouterr().err
+    assert f"{folder / 'metrics.jsonl'}: 1 line(s) without a step skipped" in err
+    assert f"{folder / 'metrics.jsonl'}: loss not drawn where it is 1e+308 at step 2, -1e+308 at step 3" in err
+    assert "grad_norm not drawn where it is 1.000e+400 at step 2, nan at step 4" in err

@@ -413,3 +413,58 @@ def test_skipped_dev_rows_warn_and_fail_past_the_share(tmp_path, capsys):
     assert (
         f"warning: {dev}: 19 of 21 rows skipped (19 unknown label); scores use the other 2" in capsys.readouterr().err
     )
+
+
+# --------------------------------------------------------------------------- issue 31: refused inputs
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--lr", "inf"], "--lr must be > 0 and finite (got inf)"),
+        (["--epochs", "nan"], "--epochs must be > 0 and finite (got nan)"),
+        (["--warmup_ratio", "-1"], "--warmup_ratio must be between 0 and 1 (got -1.0)"),
+        (["--max_grad_norm", "-1"], "--max_grad_norm must be > 0 and finite (got -1.0)"),
+        (["--weight_decay", "inf"], "--weight_decay must be >= 0 and finite (got inf)"),
+        (["--max_train_samples", "0"], "--max_train_samples must be >= 1 (got 0)"),
+        (["--seeds", "1,1"], "--seeds 1,1: seed(s) [1] repeated"),
+    ],
+)
+def test_finetune_refuses_values_that_cannot_be_meant(tmp_path, capsys, flags, message):
+    """These were accepted: an inf learning rate trained to nan, and --seeds 1,1 reported a spread of 0."""
+    from pipeline.finetune import main
+
+    args = ["--model", str(tmp_path / "m"), "--task", f"sst2:{tmp_path}", "--out", str(tmp_path / "o"), *flags]
+    assert main(args) == 2
+    assert f"finetune.py: error: {message}" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_non_finite_score_is_refused_naming_its_line(tmp_path):
+    """STS-B: a `nan` score trained on nan and still reported spearman 0.93 beside pearson nan."""
+    from preprocessing.errors import UsageError
+
+    header = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore"
+    rows = [
+        f"{i}\tg\tf\t2012\t{i}\tnone\tnone\tA man sings.\tA man is singing.\t{s}"
+        for i, s in enumerate("4.0 nan".split())
+    ]
+    path = write(tmp_path / "STS-B" / "train.tsv", [header, *rows])
+    with pytest.raises(UsageError, match=rf"^{path}:3: score 'nan' is not a finite number"):
+        read_glue_split(GLUE_TASKS["stsb"], path)
+
+
+def test_files_that_are_not_utf8_are_named_with_their_line(tmp_path):
+    """A GBK-encoded file gave a UnicodeDecodeError traceback."""
+    from preprocessing.errors import UsageError
+
+    tsv = tmp_path / "ChnSentiCorp" / "dev.tsv"
+    tsv.parent.mkdir()
+    tsv.write_bytes("1\tgood\n0\t房间太小。\n".encode("gbk"))
+    with pytest.raises(UsageError, match=rf"^{tsv}:2: not UTF-8 \(bytes b7 bf bc e4 at column 3\).*iconv -f GB18030"):
+        read_glue_split(GLUE_TASKS["chnsenti"], tsv)
+    conll = tmp_path / "msra" / "train.txt"
+    conll.parent.mkdir()
+    conll.write_bytes("北 B-LOC\n京 I-LOC\n".encode("gbk"))
+    with pytest.raises(UsageError, match=rf"^{conll}:1: not UTF-8"):
+        read_conll(conll)

@@ -78,9 +78,24 @@ class FinetuneConfig:
     )
 
     def validate(self) -> None:
-        for flag in ("epochs", "lr", "batch_size", "eval_batch_size", "max_seq_len"):
-            if not getattr(self, flag) > 0:
-                raise UsageError(f"--{flag} must be > 0 (got {getattr(self, flag)})")
+        """UsageError naming the flag of any value that cannot be meant (non-finite included)."""
+        for flag in ("epochs", "lr", "batch_size", "eval_batch_size", "max_seq_len", "max_grad_norm"):
+            if not 0 < getattr(self, flag) < math.inf:
+                raise UsageError(f"--{flag} must be > 0 and finite (got {getattr(self, flag)})")
+        for flag in ("warmup_ratio", "max_skipped_share"):
+            if not 0 <= getattr(self, flag) <= 1:
+                raise UsageError(f"--{flag} must be between 0 and 1 (got {getattr(self, flag)})")
+        if not 0 <= self.weight_decay < math.inf:
+            raise UsageError(f"--weight_decay must be >= 0 and finite (got {self.weight_decay})")
+        for flag in ("max_train_samples", "max_eval_samples"):
+            if getattr(self, flag) is not None and getattr(self, flag) < 1:
+                raise UsageError(f"--{flag} must be >= 1 (got {getattr(self, flag)})")
+        repeated = sorted({s for s in self.seeds if self.seeds.count(s) > 1})
+        if repeated:
+            raise UsageError(
+                f"--seeds {','.join(map(str, self.seeds))}: seed(s) {repeated} repeated; a repeated seed is the same "
+                f"run again and would shrink the reported spread; give distinct seeds"
+            )
 
 
 @dataclass

@@ -15,11 +15,12 @@ the folder whose names contain train, dev/valid/val, and test.
 from __future__ import annotations
 
 import csv
+import math
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import NoReturn, Optional, Union
 
 from pipeline.evaluation.downstream.scoring import detect_scheme, split_tag
 from preprocessing.errors import UsageError
@@ -96,8 +97,28 @@ def _read_tsv(path: Path) -> list[list[str]]:
     # GLUE's TSVs contain stray quote characters: no quoting at all, as the GLUE baselines read them.
     # utf-8-sig drops the byte-order mark that MRPC's files start with.
     csv.field_size_limit(sys.maxsize)
-    with path.open(encoding="utf-8-sig", newline="") as f:
-        return list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    try:
+        with path.open(encoding="utf-8-sig", newline="") as f:
+            return list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    except UnicodeDecodeError:
+        raise_not_utf8(path)
+
+
+def raise_not_utf8(path: Path) -> NoReturn:
+    """UsageError naming the first line of `path` that is not UTF-8, and how to convert the file. The
+    encoding is not guessed: GBK, Big5 and Latin-1 bytes are not told apart reliably, and a wrong guess
+    would fine-tune on garbled text without a word."""
+    with path.open("rb") as f:
+        for lineno, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UsageError(
+                    f"{path}:{lineno}: not UTF-8 (bytes {line[e.start : e.start + 4].hex(' ')} at column "
+                    f"{e.start + 1}); the task readers take UTF-8 only: convert the file, e.g. for Chinese "
+                    f"GBK/GB18030 text: iconv -f GB18030 -t UTF-8 {path} > {path}.utf8, and use that in its place"
+                ) from None
+    raise AssertionError(f"{path}: a decode error, but every line decodes")  # a split multi-byte character
 
 
 def read_glue_split(task: GlueTask, path: Path) -> Examples:
@@ -127,7 +148,7 @@ def read_glue_split(task: GlueTask, path: Path) -> Examples:
             )
     ex = Examples(path=path, text_b=[] if task.text_b is not None else None)
     need = max(cols.values()) + 1
-    for row in rows:
+    for lineno, row in enumerate(rows, 2 if task.header else 1):  # QUOTE_NONE: one row per line
         if len(row) < need:
             ex.skip("too_few_columns")
             continue
@@ -138,6 +159,8 @@ def read_glue_split(task: GlueTask, path: Path) -> Examples:
             except ValueError:
                 ex.skip("unparsable_score")
                 continue
+            if not math.isfinite(label):  # float() reads "nan" and "inf": a loss of nan, then metrics of nan
+                raise UsageError(f"{path}:{lineno}: score {raw!r} is not a finite number; fix or remove the row")
         elif raw in task.labels:
             label = task.labels.index(raw)
         else:
@@ -183,23 +206,26 @@ def read_conll(path: Path) -> TaggedSentences:
             out.tags.append(tags)
         tokens, tags = [], []
 
-    with path.open(encoding="utf-8-sig") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.rstrip("\n\r")
-            if not line.strip():
-                flush()
-                continue
-            if line.startswith("-DOCSTART-"):
-                out.skipped["docstart_lines"] = out.skipped.get("docstart_lines", 0) + 1
-                continue
-            parts = line.split()
-            if len(parts) < 2:
-                raise UsageError(f"{path}:{lineno}: expected 'TOKEN ... TAG', got {line!r}")
-            prefix, _ = split_tag(parts[-1])
-            if prefix not in ("B", "I", "M", "E", "S", "O"):
-                raise UsageError(f"{path}:{lineno}: tag {parts[-1]!r} is neither BIO nor BMES")
-            tokens.append(parts[0])
-            tags.append(parts[-1])
+    try:
+        with path.open(encoding="utf-8-sig") as f:
+            for lineno, line in enumerate(f, 1):
+                line = line.rstrip("\n\r")
+                if not line.strip():
+                    flush()
+                    continue
+                if line.startswith("-DOCSTART-"):
+                    out.skipped["docstart_lines"] = out.skipped.get("docstart_lines", 0) + 1
+                    continue
+                parts = line.split()
+                if len(parts) < 2:
+                    raise UsageError(f"{path}:{lineno}: expected 'TOKEN ... TAG', got {line!r}")
+                prefix, _ = split_tag(parts[-1])
+                if prefix not in ("B", "I", "M", "E", "S", "O"):
+                    raise UsageError(f"{path}:{lineno}: tag {parts[-1]!r} is neither BIO nor BMES")
+                tokens.append(parts[0])
+                tags.append(parts[-1])
+    except UnicodeDecodeError:
+        raise_not_utf8(path)
     flush()
     if not out.tokens:
         raise UsageError(f"{path}: no sentences (expected CoNLL: one token and its tag per line)")

@@ -116,10 +116,11 @@ def train_tokenizer(cfg: MiniConfig, stage: Stage, text: Path) -> dict:
 
 
 def build_shards(cfg: MiniConfig, stage: Stage, *, text: Path, tokenizer: Path, fmt: str, lang: str, env: dict) -> dict:
-    """One builder run (preprocessing/build_shards.py, Ray on this machine): OUT/shards/{fmt}_{lang}/mds."""
-    import json
+    """One builder run (preprocessing/build_shards.py, Ray on this machine): OUT/shards/{fmt}_{lang}/mds,
+    then checked (and its counts read) as the trainer will read it (pipeline.data.shards.inspect_data)."""
     import sys
 
+    from pipeline.data.shards import inspect_data
     from pipeline.evaluation.mini.config import REPO
 
     cmd = [
@@ -135,6 +136,9 @@ def build_shards(cfg: MiniConfig, stage: Stage, *, text: Path, tokenizer: Path, 
         "--no_progress",
     ]  # fmt: skip
     run_logged(cmd, log=stage.log, env=env)
-    manifest = json.loads((stage.dir / "mds" / "build_manifest.json").read_text())
-    c = manifest["counts"]
-    return {k: c[k] for k in ("documents_written", "documents_skipped", "samples", "tokens_in_samples", "shards")}
+    # Local shards are verified in place: nothing is written under the cache root.
+    manifest = inspect_data([str(stage.dir / "mds")], cache_root=str(stage.dir / "cache")).sources[0].manifest
+    c = manifest.counts
+    return {
+        k: getattr(c, k) for k in ("documents_written", "documents_skipped", "samples", "tokens_in_samples", "shards")
+    }

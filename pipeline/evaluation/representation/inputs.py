@@ -19,6 +19,7 @@ Shape legend: B sequences, L tokens per sequence.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,6 @@ import torch
 
 from pipeline.data.padding import pad_right
 from preprocessing.errors import UsageError
-from preprocessing.shard_format import format_of
 
 
 @dataclass
@@ -113,38 +113,44 @@ def is_mds_dir(path: Path) -> bool:
 
 
 def read_mds_sequences(
-    root: Path, *, special_ids: set[int], max_sequences: int, unk_id: int | None = None
+    root: Path, *, special_ids: set[int], max_sequences: int, vocab_size: int, unk_id: int | None = None
 ) -> tuple[list[AnalysisSequence], SourceStats]:
-    """The first `max_sequences` samples of a local MDS folder (its merged index.json), in order."""
-    from streaming import StreamingDataset  # heavy import (torchvision); only when shards are used
+    """The first `max_sequences` samples of a local MDS folder (its merged index.json), in order, read as
+    the trainer reads them (pipeline.data: the folder checked and every shard verified against its index
+    first, `.mds.zstd` shards decompressed into a temporary cache, never into the folder, every sample
+    checked on read). Raises UsageError (ShardError) naming the folder or shard."""
+    import tempfile
+
+    from pipeline.data.loader import open_dataset  # heavy import (streaming, torchvision); only for shards
+    from pipeline.data.shards import inspect_data
 
     stats = SourceStats(source=str(root), kind="mds")
-    ds = StreamingDataset(local=str(root), shuffle=False, batch_size=1)
     out: list[AnalysisSequence] = []
-    for i in range(min(len(ds), max_sequences)):
-        sample = ds[i]
-        if i == 0 and format_of(list(sample)) == "packed":
+    with tempfile.TemporaryDirectory(prefix="tokencl-analyze-cache-") as cache:
+        info = inspect_data([str(root)], cache_root=cache)
+        if info.format == "packed":
             stats.notes.append(
                 "packed shards: a sample is a stretch of one or more documents with no sentence boundaries "
                 "inside them, so a 'sentence' is a whole document piece and intra-sentence is (nearly) "
                 "intra-context here; analyse nsp shards or a text file for TaCL's intra-sentence similarity"
             )
-        if "input_ids" not in sample or "token_type_ids" not in sample:
-            raise UsageError(
-                f"{root}: sample {i} lacks input_ids/token_type_ids (columns: {sorted(sample)}); "
-                "build the shards with preprocessing/build_shards.py"
-            )
-        seq = _sequence(
-            [int(t) for t in sample["input_ids"]],
-            token_type_ids=[int(t) for t in sample["token_type_ids"]],
-            special_ids=special_ids,
+        ds = open_dataset(
+            info, vocab_size=vocab_size, batch_size=1, shuffle=False, seed=0, run_id=f"analyze-{os.getpid()}"
         )
-        if not any(s >= 0 for s in seq.sentence_ids):
-            stats.skip("no_text_tokens")
-            continue
-        out.append(seq)
-        _count(stats, seq=seq, unk_id=unk_id)
-    stats.skip("beyond_max_sequences", max(0, len(ds) - max_sequences))
+        for i in range(min(ds.num_samples, max_sequences)):
+            sample = ds[i]
+            seq = _sequence(
+                [int(t) for t in sample["input_ids"]],
+                token_type_ids=[int(t) for t in sample["token_type_ids"]],
+                special_ids=special_ids,
+            )
+            if not any(s >= 0 for s in seq.sentence_ids):
+                stats.skip("no_text_tokens")
+                continue
+            out.append(seq)
+            _count(stats, seq=seq, unk_id=unk_id)
+        stats.skip("beyond_max_sequences", max(0, ds.num_samples - max_sequences))
+        del ds  # its memory maps and shared memory go before the cache folder does
     return out, stats
 
 

@@ -145,6 +145,7 @@ class AnalysisData:
                     self.path,
                     special_ids=structural_special_ids(tokenizer),
                     max_sequences=self.cfg.max_sequences,
+                    vocab_size=len(tokenizer),
                     unk_id=tokenizer.unk_token_id,
                 )
             else:
