@@ -208,6 +208,8 @@ def file_value(value: Any, annotation: Any, *, choices: Optional[tuple], where: 
         raise UsageError(
             f"{where} is {json.dumps(value, default=str)} ({type(value).__name__}); expected {_expected(annotation)}"
         ) from None
+    if callable(choices):
+        choices = choices()
     if choices and typed is not None and typed not in choices:
         raise UsageError(f"{where} is {typed!r}; expected one of {', '.join(map(str, choices))}")
     return typed

@@ -183,10 +183,14 @@ def bare_bench(stages: Stages, *, env: dict[str, str], cpu: bool, logs: Path) ->
     stages.done("bare_benchmark", result)
 
 
-def train_runs(stages: Stages, *, env: dict[str, str], carry: Path, cpu: bool, logs: Path, work: Path) -> None:
+def train_runs(
+    stages: Stages, *, env: dict[str, str], carry: Path, cpu: bool, logs: Path, work: Path, only: Sequence[str]
+) -> None:
     """pipeline/train.py under torchrun with DeepSpeed on the one device, one run per objective."""
     ds = REPO / "deepspeed_configs" / ("demo.json" if cpu else "zero2.json")
     for name, objective, fmt, steps in TRAIN_RUNS:
+        if name not in only:
+            continue
         if stages.left() < 45:
             stages.done(f"train_{name}", {"skipped": f"{stages.left():.0f} s of the budget left"})
             continue
@@ -215,7 +219,7 @@ def summarise_metrics(path: Path) -> dict[str, Any]:
     return {"metrics": {k: last.get(k) for k in keep}, "first_loss": rows[0].get("loss"), "logged": len(rows)}
 
 
-def run(carry: Path, out: Path, *, cpu: bool) -> dict[str, Any]:
+def run(carry: Path, out: Path, *, cpu: bool, train: Sequence[str]) -> dict[str, Any]:
     stages = Stages(out)
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "tokencl-device-check"
     logs = out / "logs"
@@ -231,7 +235,7 @@ def run(carry: Path, out: Path, *, cpu: bool) -> dict[str, Any]:
         env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
     stages.done("environment", environment(env))
     bare_bench(stages, env=env, cpu=cpu, logs=logs)
-    train_runs(stages, env=env, carry=carry, cpu=cpu, logs=logs, work=work)
+    train_runs(stages, env=env, carry=carry, cpu=cpu, logs=logs, work=work, only=train)
     return stages.record
 
 
@@ -246,11 +250,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     pr.add_argument("--carry", default=str(REPO / ".device"))
     pr.add_argument("--out", required=True)
     pr.add_argument("--cpu", action="store_true", help="the same stages on a CPU with the tiny model")
+    names = ",".join(name for name, *_ in TRAIN_RUNS)
+    pr.add_argument("--train", default=names, help=f"the train.py runs, among {names}")
     a = p.parse_args(argv)
     if a.command == "prepare":
         result = prepare(Path(a.carry), wheels=not a.no_wheels, repeat=a.repeat)
     else:
-        result = run(Path(a.carry), Path(a.out), cpu=a.cpu)
+        result = run(Path(a.carry), Path(a.out), cpu=a.cpu, train=a.train.split(","))
     print(json.dumps(result, indent=2))
     return 0
 

@@ -52,7 +52,7 @@ def test_bench_gpu_tiny_runs_on_cpu_without_deepspeed_streaming_or_ray(tmp_path)
     """The GPU benchmark for a bare machine imports none of DeepSpeed, streaming or Ray (the GPU machine has none)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     probe = (
-        "import sys; import pipeline.bench.gpu as b; b.main(['--tiny', '--out', 'gpu.json']); "
+        "import sys; import pipeline.bench.gpu as b; b.main(['--tiny', '--compile', 'off', '--out', 'gpu.json']); "
         "print('LOADED', sorted(k for k in ('deepspeed', 'streaming', 'ray') if k in sys.modules))"
     )
     proc = subprocess.run(
@@ -61,21 +61,36 @@ def test_bench_gpu_tiny_runs_on_cpu_without_deepspeed_streaming_or_ray(tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "LOADED []" in proc.stdout
     report = json.loads((tmp_path / "gpu.json").read_text())
-    assert set(report["runs"]) == {"mlm_packed", "taco", "mlm_nsp", "tacl"}
+    from pipeline.bench.gpu import JOBS
+
+    assert set(report["runs"]) == {f"{job}/eager" for job in JOBS} and report["complete"]
     for run in report["runs"].values():
-        assert (
-            run["tokens_per_s"] > 0
-            and run["mfu"] is None
-            and set(run["step_split_s"])
-            == {
-                "data",
-                "forward",
-                "loss",
-                "backward",
-                "optimizer",
-            }
-        )
-    assert set(report["figures"]) == {"mlm_mfu", "tacl_over_mlm_tokens", "taco_over_mlm_tokens"}
+        assert run["tokens_per_s"] > 0 and run["mfu"] is None and len(run["tokens_per_s_windows"]) >= 3
+        assert set(run["step_split_s"]) == {"data", "forward", "loss", "backward", "optimizer"}
+    assert set(report["figures"]["eager"]) >= {"mlm_mfu", "tacl_over_mlm_tokens", "taco_over_mlm_tokens"}
+    assert report["figures"]["eager"]["taco_over_mlm_tokens"] > 0
+
+
+def test_the_device_check_runs_its_stages_on_cpu(tmp_path):
+    """`python -m pipeline.bench.device prepare` then `run` (here with --cpu: the tiny model, fp32), as a
+    user with one GPU runs them: shards from the sample corpus, the bare benchmark, train.py under
+    torchrun with DeepSpeed; the JSON after every stage."""
+    carry = tmp_path / "carry"
+    manifest = _run(
+        ["pipeline.bench.device", "prepare", "--no_wheels", "--repeat", "2", "--carry", str(carry)], tmp_path
+    )
+    assert set(manifest["shards"]) == {"packed", "nsp"} and manifest["bytes"] < 64 * 2**20
+    out = tmp_path / "out"
+    report = _run(
+        ["pipeline.bench.device", "run", "--cpu", "--carry", str(carry), "--out", str(out), "--train", "mlm_packed"],
+        tmp_path,
+    )
+    assert json.loads((out / "device_check.json").read_text()) == report
+    stages = report["stages"]
+    assert list(stages) == ["install", "environment", "bare_benchmark", "train_mlm_packed"]
+    assert stages["environment"]["deepspeed"] and stages["bare_benchmark"]["rc"] == 0
+    assert stages["train_mlm_packed"]["rc"] == 0 and stages["train_mlm_packed"]["metrics"]["step"] == 8
+    assert stages["train_mlm_packed"]["metrics"]["tokens_per_s"] > 0
 
 
 def test_bench_train_quick(tmp_path):
