@@ -23,7 +23,8 @@ Out (torch tensors; the model's token rows are [B, L] flattened, or the T stream
   unmasked_grid_index: the real tokens that are not masked, in the grid
   mlm_labels_N: their original ids; sample_ids_B; nsp_labels_B (NSP)
   and host values: layout, num_sequences (what attention sees as sequences), num_samples (the samples
-  read), num_tokens, num_masked, max_len, sum_len_sq.
+  read), num_tokens, num_masked, max_len, sum_len_sq, blocks (full packed blocks cut into documents:
+  every rank's micro-batch holds the same number of tokens, which TACO's draws use).
 
 Legend: B sequences, L the longest sequence of the batch, T real tokens, N masked positions, S documents.
 """
@@ -74,9 +75,12 @@ class MaskingCollator:
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         rows = self._masked_rows(samples)
-        if self.document_sep_id is not None and bool((rows.lengths_B == rows.lengths_B.max()).all()):
+        full = bool((rows.lengths_B == rows.lengths_B.max()).all())
+        if self.document_sep_id is not None and full:
             rows = cut_documents(rows, sep_id=self.document_sep_id)
         batch = self._layout(rows)
+        # Blocks of one length (packed shards): every rank's micro-batch holds as many tokens as this one.
+        batch["blocks"] = full and self.document_sep_id is not None
         batch["sample_ids"] = torch.from_numpy(
             np.fromiter((int(s["sample_id"]) for s in samples), np.int64, len(samples))
         )

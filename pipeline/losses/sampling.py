@@ -49,7 +49,8 @@ ANCHOR_BLOCK = 4096
 class Layout:
     """Per-rank counts (in rank order) of sequences, real tokens and anchors, and the shared seed.
     `tokens_per_sequence`: set when every sequence of every rank holds exactly that many real tokens
-    (packed blocks), so a global token index determines its sequence."""
+    (packed blocks), so a global token index determines its sequence. `gathered`: whether the counts
+    travelled between ranks (or every rank knew them)."""
 
     rank: int
     sequences: tuple[int, ...]
@@ -57,6 +58,7 @@ class Layout:
     anchors: tuple[int, ...]
     seed: int
     tokens_per_sequence: Optional[int] = None
+    gathered: bool = True
 
     @property
     def world_size(self) -> int:
@@ -91,20 +93,27 @@ def gather_layout(
     seed: int,
     group: Optional[dist.ProcessGroup],
     tokens_per_sequence: Optional[int] = None,
+    equal_tokens: bool = False,
 ) -> Layout:
     """Every rank's counts. `tokens_per_sequence` set (the caller's promise that every rank holds
     `sequences` sequences of exactly that many real tokens, all anchors included): no collective.
-    Otherwise one small all-gather of host integers, which also checks that every rank draws with the
-    same seed."""
+    `equal_tokens` (the promise that every rank holds `tokens` real tokens and `anchors` anchors, in
+    sequences of any length and number: packed blocks cut into their documents): no collective either;
+    the global sequence ids are then spaced by the token count (rank r's are r * tokens + its own), an
+    upper bound of any rank's sequences, so that no rank needs another's count; they keep the order and
+    the equalities of the concatenated batch's, which is all the draws use. Otherwise one small
+    all-gather of host integers, which also checks that every rank draws with the same seed."""
     world, rank = distributed.world_size(group), distributed.rank(group)
-    if tokens_per_sequence is not None or world == 1:
+    if tokens_per_sequence is not None or world == 1 or equal_tokens:
+        spaced = equal_tokens and tokens_per_sequence is None and world > 1
         return Layout(
             rank=rank,
-            sequences=(sequences,) * world,
+            sequences=((tokens if spaced else sequences),) * world,
             tokens=(tokens,) * world,
             anchors=(anchors,) * world,
             seed=seed,
             tokens_per_sequence=tokens_per_sequence,
+            gathered=False,
         )
     rows = distributed.all_gather_ints([sequences, tokens, anchors, seed], group=group)
     assert len({r[3] for r in rows}) == 1, (
@@ -121,7 +130,7 @@ def gather_layout(
 
 def layout_bytes(layout: Layout) -> int:
     """Bytes one rank receives from `gather_layout` (0 when it gathered nothing)."""
-    if layout.world_size <= 1 or layout.tokens_per_sequence is not None:
+    if layout.world_size <= 1 or not layout.gathered:
         return 0
     return layout.world_size * LAYOUT_BYTES_PER_RANK
 

@@ -55,6 +55,7 @@ def taco_loss(
     anchor_flat_N: Optional[torch.Tensor] = None,
     real_flat_T: Optional[torch.Tensor] = None,
     uniform: bool = False,
+    equal_tokens: bool = False,
 ) -> tuple[torch.Tensor, Metrics]:
     """TACO: the global semantics g = hidden - embeddings of a token should be closer to a nearby
     token of its own sequence than to tokens of other sequences.
@@ -80,7 +81,10 @@ def taco_loss(
     collator, so that nothing is read back from the device: `anchor_flat_N` (the anchors' flat
     positions, ascending, in the chosen `anchors` set) and `real_flat_T` (the real tokens'), int64;
     `uniform=True`: the caller's promise that every rank holds B sequences of L real tokens and every
-    token is an anchor (packed blocks): then no layout travels between ranks.
+    token is an anchor (packed blocks): then no layout travels between ranks. `equal_tokens=True`: the
+    promise that every rank holds the same number of real tokens and anchors in sequences of any length
+    (packed blocks cut into their documents, every token an anchor): no layout travels either
+    (pipeline.losses.sampling.gather_layout).
     Out: (loss, metrics) with "loss", "acc", "num_anchors", "num_skipped", "gathered_bytes".
     """
     with fp32_only(hidden_BLD):
@@ -100,6 +104,7 @@ def taco_loss(
             anchor_flat_N=anchor_flat_N,
             real_flat_T=real_flat_T,
             uniform=uniform,
+            equal_tokens=equal_tokens,
         )
 
 
@@ -120,6 +125,7 @@ def _taco_loss(
     anchor_flat_N,
     real_flat_T,
     uniform,
+    equal_tokens,
 ):
     check_pair("taco_loss", hidden_BLD, "embeddings_BLD", embeddings_BLD, attention_mask_BL)
     if anchors not in _TACO_ANCHORS:
@@ -160,6 +166,7 @@ def _taco_loss(
         seed=draw_seed(generator),
         group=group,
         tokens_per_sequence=L if uniform else None,
+        equal_tokens=equal_tokens,
     )
     if sum(layout.sequences) < 2:
         raise ValueError(

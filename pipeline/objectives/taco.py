@@ -74,7 +74,10 @@ class TACO(Objective):
             generator=inputs.generator,
             anchor_flat_N=anchors,
             real_flat_T=batch["grid_index"],
-            uniform=batch["layout"] == "packed" and a.taco_anchors == "all",
+            # Every rank must take the same path (their gathers must match): with documents cut out of
+            # blocks, a rank whose blocks happened to hold no [SEP] still takes the equal-tokens one.
+            uniform=batch["layout"] == "packed" and a.taco_anchors == "all" and not batch.get("blocks", False),
+            equal_tokens=batch.get("blocks", False) and a.taco_anchors == "all",
         )
 
 

@@ -38,6 +38,7 @@ class Scenario:
     explicit_group: bool = False
     L: int = 8
     D: int = 16
+    lengths: tuple = ()  # every sequence's real tokens (default: drawn)
 
 
 SCENARIOS = {
@@ -69,6 +70,10 @@ SCENARIOS = {
         rank1_unmasked=True,
     ),
     "taco_bf16": Scenario("taco", (2, 2), dict(num_negatives=5, pool_size=9), dtype=torch.bfloat16),
+    # Packed blocks cut into documents: 16 tokens on each rank, in 3 and 2 sequences; no layout travels.
+    "taco_equal_tokens_documents": Scenario(
+        "taco", (3, 2), dict(num_negatives=6, pool_size=11, temperature=0.1, equal_tokens=True), lengths=(8, 5, 3, 8, 8)
+    ),
 }
 
 
@@ -78,6 +83,8 @@ def build(s: Scenario, seed: int) -> dict:
     B, L, D = sum(s.sizes), s.L, s.D
     lengths = torch.randint(3, L + 1, (B,), generator=g)
     lengths[0] = L
+    if s.lengths:
+        lengths = torch.tensor(s.lengths)
     if s.one_token_sequence:
         lengths[-1] = 1
     attention = (torch.arange(L)[None, :] < lengths[:, None]).long()
@@ -151,12 +158,13 @@ def two_ranks(tmp_path_factory):
 
 def expected_bytes(s: Scenario, full: dict, ranks_rows: list) -> int:
     """The 4-float64 metrics reduction, and for the losses with a pool: the layout all-gather (4 int64
-    per rank) + the pool all-gather (rows padded to the busiest rank, D values in the input dtype plus
-    an int64 sequence id). TaCL without a pool gathers no layout."""
+    per rank; none with equal_tokens) + the pool all-gather (rows padded to the busiest rank, D values
+    in the input dtype plus an int64 sequence id). TaCL without a pool gathers no layout."""
     total = 4 * 8
     pool_size = s.loss_kwargs.get("pool_size", TACO_POOL_SIZE) if s.kind == "taco" else s.loss_kwargs.get("num_pool", 0)
     if pool_size:
-        total += WORLD * 4 * 8
+        if not s.loss_kwargs.get("equal_tokens"):
+            total += WORLD * 4 * 8
         tokens = [int(full["attention"][rows].sum()) for rows in ranks_rows]
         seed = loss_sampling.draw_seed(torch.Generator().manual_seed(GENERATOR_SEED))
         picks = loss_sampling.pool_token_indices(sum(tokens), pool_size, seed=seed, device=torch.device("cpu"))
