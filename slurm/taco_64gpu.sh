@@ -33,7 +33,7 @@
 #   DS_CONFIG        DeepSpeed JSON: micro-batch, accumulation, precision, ZeRO
 #                    [deepspeed_configs/zero2_64gpu.json: 128 x 2 x 64 = 16,384 sequences per step,
 #                    AdamW betas (0.9, 0.98); zero2_64gpu_fp32comm.json reduces gradients in fp32]
-#   The sizing (where 64 GPUs pay off, AdamW vs LAMB at this batch): docs/scaling.md
+#   The sizing (what ZeRO-2 sends, where 64 GPUs pay off, bucket sizes, AdamW): docs/scaling.md
 #   MODEL_CONFIG     tiny | base | large | path/to/bert_config.json [base]
 #   INIT_FROM        continue from a pre-trained Hugging Face BERT folder instead []
 #   TOKENIZER        tokenizer folder [DATA/tokenizer]
