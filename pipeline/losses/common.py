@@ -14,6 +14,7 @@ Legend: B sequences, L positions, D hidden size, N anchors (this rank), C logits
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -32,6 +33,18 @@ Metrics = dict[str, torch.Tensor]
 def fp32_only(x: torch.Tensor):
     """An autocast context would run the GEMMs in bf16/fp16; the losses need fp32 logits."""
     return torch.autocast(device_type=x.device.type, enabled=False)
+
+
+def without_autocast(loss_fn):
+    """Decorate a loss whose first argument is a tensor: it runs with autocast off on that tensor's
+    device (`fp32_only`)."""
+
+    @functools.wraps(loss_fn)
+    def wrapped(x: torch.Tensor, *args, **kwargs):
+        with fp32_only(x):
+            return loss_fn(x, *args, **kwargs)
+
+    return wrapped
 
 
 def positive_on_top(logits_NC: torch.Tensor, target_N: torch.Tensor) -> torch.Tensor:

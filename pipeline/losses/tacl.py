@@ -15,12 +15,20 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pipeline.losses.common import Metrics, check_mask, check_pair, fp32_only, positive_on_top, share_across_ranks
+from pipeline.losses.common import (
+    Metrics,
+    check_mask,
+    check_pair,
+    positive_on_top,
+    share_across_ranks,
+    without_autocast,
+)
 from pipeline.losses.sampling import draw_pool, draw_seed, gather_layout, gather_pool, layout_bytes
 
 _TACL_NEGATIVES = ("sequence", "global")
 
 
+@without_autocast
 def tacl_loss(
     student_BLD: torch.Tensor,
     *,
@@ -54,46 +62,8 @@ def tacl_loss(
     Out: (loss, metrics) with "loss", "acc", "num_anchors", "num_skipped" (always 0 here),
     "gathered_bytes" (bytes this rank received in this call).
     """
-    with fp32_only(student_BLD):
-        return _tacl_loss(
-            student_BLD,
-            teacher_BLD=teacher_BLD,
-            masked_BL=masked_BL,
-            attention_mask_BL=attention_mask_BL,
-            temperature=temperature,
-            negatives=negatives,
-            num_pool=num_pool,
-            group=group,
-            generator=generator,
-            anchor_flat_N=anchor_flat_N,
-            real_flat_T=real_flat_T,
-        )
-
-
-def _tacl_loss(
-    student_BLD,
-    *,
-    teacher_BLD,
-    masked_BL,
-    attention_mask_BL,
-    temperature,
-    negatives,
-    num_pool,
-    group,
-    generator,
-    anchor_flat_N,
-    real_flat_T,
-):
-    check_pair("tacl_loss", student_BLD, "teacher_BLD", teacher_BLD, attention_mask_BL)
-    check_mask("tacl_loss", "masked_BL", masked_BL, attention_mask_BL)
-    if temperature <= 0:
-        raise ValueError(f"tacl_loss: temperature must be > 0, got {temperature}")
-    if negatives not in _TACL_NEGATIVES:
-        raise ValueError(f"tacl_loss: negatives must be one of {_TACL_NEGATIVES}, got {negatives!r}")
-    if negatives == "global" and num_pool < 1:
-        raise ValueError(f"tacl_loss: negatives='global' needs num_pool >= 1, got {num_pool}")
-    if negatives == "sequence" and num_pool != 0:
-        raise ValueError(f"tacl_loss: num_pool={num_pool} only applies to negatives='global'; pass 0")
+    _check_args(student_BLD, teacher_BLD=teacher_BLD, masked_BL=masked_BL, attention_mask_BL=attention_mask_BL,
+                temperature=temperature, negatives=negatives, num_pool=num_pool)  # fmt: skip
     real_BL = attention_mask_BL != 0
     if anchor_flat_N is None:  # a direct call: find the anchors (and check them) on the device
         padded_masks = int((masked_BL & ~real_BL).sum())
@@ -113,23 +83,11 @@ def _tacl_loss(
     if negatives == "global":
         if real_flat_T is None:
             real_flat_T = real_BL.reshape(-1).nonzero().squeeze(1)
-        layout = gather_layout(
-            sequences=B,
-            tokens=real_flat_T.shape[0],
-            anchors=anchor_flat_N.shape[0],
-            seed=draw_seed(generator),
-            group=group,
-        )
-        draw = draw_pool(real_flat_T=real_flat_T, width=L, layout=layout, pool_size=num_pool)
-        pool = gather_pool(
-            teacher_BLD.detach().reshape(B * L, D).index_select(0, draw.flat_n), draw=draw, group=group, autograd=False
-        )
-        gathered += layout_bytes(layout) + pool.gathered_bytes
-        pool_PD = F.normalize(pool.vectors_PD.float(), dim=-1)
-        s_ND = s_BLD.reshape(B * L, D).index_select(0, anchor_flat_N)
-        logits_NP = s_ND @ pool_PD.T / temperature
-        own_NP = pool.sequence_P[None, :] == (b_N + layout.sequence_offset)[:, None]
-        logit_parts.append(logits_NP.masked_fill(own_NP, -math.inf))
+        logits_NP, gathered = _pool_logits(
+            s_BLD, teacher_BLD, anchor_flat_N=anchor_flat_N, real_flat_T=real_flat_T, num_pool=num_pool,
+            temperature=temperature, generator=generator, group=group,
+        )  # fmt: skip
+        logit_parts.append(logits_NP)
     logits_NC = torch.cat(logit_parts, dim=1)
     loss_N = F.cross_entropy(logits_NC, l_N, reduction="none")
     correct_N = positive_on_top(logits_NC.detach(), l_N)
@@ -137,3 +95,34 @@ def _tacl_loss(
     return share_across_ranks(
         loss_N, correct_N=correct_N, valid_N=valid_N, skipped=None, gathered_bytes=gathered, group=group
     )
+
+
+def _check_args(student_BLD, *, teacher_BLD, masked_BL, attention_mask_BL, temperature, negatives, num_pool) -> None:
+    check_pair("tacl_loss", student_BLD, "teacher_BLD", teacher_BLD, attention_mask_BL)
+    check_mask("tacl_loss", "masked_BL", masked_BL, attention_mask_BL)
+    if temperature <= 0:
+        raise ValueError(f"tacl_loss: temperature must be > 0, got {temperature}")
+    if negatives not in _TACL_NEGATIVES:
+        raise ValueError(f"tacl_loss: negatives must be one of {_TACL_NEGATIVES}, got {negatives!r}")
+    if negatives == "global" and num_pool < 1:
+        raise ValueError(f"tacl_loss: negatives='global' needs num_pool >= 1, got {num_pool}")
+    if negatives == "sequence" and num_pool != 0:
+        raise ValueError(f"tacl_loss: num_pool={num_pool} only applies to negatives='global'; pass 0")
+
+
+def _pool_logits(s_BLD, teacher_BLD, *, anchor_flat_N, real_flat_T, num_pool, temperature, generator, group):
+    """([N, P] logits of the anchors against a pool of teacher vectors drawn from every rank, -inf on
+    the anchor's own sequence; the bytes gathered). s_BLD: the normalised student."""
+    B, L, D = s_BLD.shape
+    layout = gather_layout(
+        sequences=B, tokens=real_flat_T.shape[0], anchors=anchor_flat_N.shape[0], seed=draw_seed(generator),
+        group=group,
+    )  # fmt: skip
+    draw = draw_pool(real_flat_T=real_flat_T, width=L, layout=layout, pool_size=num_pool)
+    pool = gather_pool(
+        teacher_BLD.detach().reshape(B * L, D).index_select(0, draw.flat_n), draw=draw, group=group, autograd=False
+    )
+    pool_PD = F.normalize(pool.vectors_PD.float(), dim=-1)
+    logits_NP = s_BLD.reshape(B * L, D).index_select(0, anchor_flat_N) @ pool_PD.T / temperature
+    own_NP = pool.sequence_P[None, :] == (anchor_flat_N // L + layout.sequence_offset)[:, None]
+    return logits_NP.masked_fill(own_NP, -math.inf), layout_bytes(layout) + pool.gathered_bytes

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pipeline.losses.common import Metrics, check_mask, check_pair, fp32_only, share_across_ranks
+from pipeline.losses.common import Metrics, check_mask, check_pair, share_across_ranks, without_autocast
 from pipeline.losses.sampling import (
     anchor_uniforms,
     draw_pool,
@@ -38,6 +38,7 @@ TACO_POOL_SIZE = 512
 _TACO_ANCHORS = ("all", "masked", "unmasked")
 
 
+@without_autocast
 def taco_loss(
     hidden_BLD: torch.Tensor,
     *,
@@ -87,46 +88,52 @@ def taco_loss(
     (pipeline.losses.sampling.gather_layout).
     Out: (loss, metrics) with "loss", "acc", "num_anchors", "num_skipped", "gathered_bytes".
     """
-    with fp32_only(hidden_BLD):
-        return _taco_loss(
-            hidden_BLD,
-            embeddings_BLD=embeddings_BLD,
-            attention_mask_BL=attention_mask_BL,
-            anchors=anchors,
-            masked_BL=masked_BL,
-            window=window,
-            num_negatives=num_negatives,
-            temperature=temperature,
-            detach=detach,
-            generator=generator,
-            group=group,
-            pool_size=pool_size,
-            anchor_flat_N=anchor_flat_N,
-            real_flat_T=real_flat_T,
-            uniform=uniform,
-            equal_tokens=equal_tokens,
+    _check_args(
+        hidden_BLD, embeddings_BLD=embeddings_BLD, attention_mask_BL=attention_mask_BL, anchors=anchors,
+        masked_BL=masked_BL, window=window, num_negatives=num_negatives, temperature=temperature, pool_size=pool_size,
+    )  # fmt: skip
+    B, L, D = hidden_BLD.shape
+    real_BL = attention_mask_BL != 0
+    anchor_flat_N, positive_ok_N, skipped = _anchors(real_BL, anchors=anchors, masked_BL=masked_BL,
+                                                    anchor_flat_N=anchor_flat_N)  # fmt: skip
+    if real_flat_T is None:
+        real_flat_T = real_BL.reshape(-1).nonzero().squeeze(1)
+    layout = gather_layout(
+        sequences=B, tokens=real_flat_T.shape[0], anchors=anchor_flat_N.shape[0], seed=draw_seed(generator),
+        group=group, tokens_per_sequence=L if uniform else None, equal_tokens=equal_tokens,
+    )  # fmt: skip
+    if sum(layout.sequences) < 2:
+        raise ValueError(
+            f"taco_loss: negatives come from other sequences, but the batch holds {sum(layout.sequences)} "
+            f"sequence(s) over {layout.world_size} rank(s); use a micro-batch of >= 2 sequences"
         )
 
+    hidden_MD, embeddings_MD = hidden_BLD.reshape(B * L, D), embeddings_BLD.reshape(B * L, D)
+    pool = _pool(hidden_MD, embeddings_MD, real_flat_T=real_flat_T, width=L, layout=layout, pool_size=pool_size,
+                 detach=detach, group=group)  # fmt: skip
+    pool_PD = F.normalize(pool.vectors_PD.float(), dim=-1)
 
-def _taco_loss(
-    hidden_BLD,
-    *,
-    embeddings_BLD,
-    attention_mask_BL,
-    anchors,
-    masked_BL,
-    window,
-    num_negatives,
-    temperature,
-    detach,
-    generator,
-    group,
-    pool_size,
-    anchor_flat_N,
-    real_flat_T,
-    uniform,
-    equal_tokens,
-):
+    positive_flat_N, negative_NK, has_negatives_N = _draws(
+        layout, anchor_flat_N=anchor_flat_N, real_BL=real_BL, pool=pool, window=window, num_negatives=num_negatives
+    )
+    loss_N, correct_N = taco_anchor_losses(
+        hidden_MD, embeddings_MD, pool_PD, anchor_N=anchor_flat_N, positive_N=positive_flat_N,
+        negative_NK=negative_NK, temperature=temperature, detach=detach,
+    )  # fmt: skip
+    valid_N = has_negatives_N if positive_ok_N is None else has_negatives_N & positive_ok_N
+    no_negative_N = ~has_negatives_N
+    if positive_ok_N is not None:
+        no_negative_N = no_negative_N & positive_ok_N  # an anchor without a positive is counted once
+    skipped = skipped + no_negative_N.sum()
+    gathered = layout_bytes(layout) + pool.gathered_bytes
+    return share_across_ranks(
+        loss_N, correct_N=correct_N, valid_N=valid_N, skipped=skipped, gathered_bytes=gathered, group=group
+    )
+
+
+def _check_args(
+    hidden_BLD, *, embeddings_BLD, attention_mask_BL, anchors, masked_BL, window, num_negatives, temperature, pool_size
+) -> None:
     check_pair("taco_loss", hidden_BLD, "embeddings_BLD", embeddings_BLD, attention_mask_BL)
     if anchors not in _TACO_ANCHORS:
         raise ValueError(f"taco_loss: anchors must be one of {_TACO_ANCHORS}, got {anchors!r}")
@@ -142,74 +149,45 @@ def _taco_loss(
         raise ValueError(f"taco_loss: temperature must be > 0, got {temperature}")
     if pool_size < 1:
         raise ValueError(f"taco_loss: pool_size must be >= 1, got {pool_size}")
-    B, L, D = hidden_BLD.shape
-    real_BL = attention_mask_BL != 0
+
+
+def _anchors(
+    real_BL: torch.Tensor, *, anchors: str, masked_BL: Optional[torch.Tensor], anchor_flat_N: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """(anchor_flat_N, positive_ok_N or None, anchors skipped for want of a positive). Found on the
+    device for a direct call; the collator's anchors stay as they are, those without a positive marked."""
+    L = real_BL.shape[1]
     has_positive_B = real_BL.sum(1) >= 2
-    if anchor_flat_N is None:  # a direct call: find the anchors on the device
-        if anchors == "all":
-            chosen_BL = real_BL
-        else:
-            chosen_BL = real_BL & (masked_BL if anchors == "masked" else ~masked_BL)
-        anchor_BL = chosen_BL & has_positive_B[:, None]
-        skipped = (chosen_BL & ~has_positive_B[:, None]).sum()
-        anchor_flat_N = anchor_BL.reshape(-1).nonzero().squeeze(1)
-        positive_ok_N = None
-    else:  # the collator's anchors: those without a positive stay, marked, and count as skipped
+    if anchor_flat_N is not None:
         positive_ok_N = has_positive_B.index_select(0, anchor_flat_N // L)
-        skipped = (~positive_ok_N).sum()
-    if real_flat_T is None:
-        real_flat_T = real_BL.reshape(-1).nonzero().squeeze(1)
-    layout = gather_layout(
-        sequences=B,
-        tokens=real_flat_T.shape[0],
-        anchors=anchor_flat_N.shape[0],
-        seed=draw_seed(generator),
-        group=group,
-        tokens_per_sequence=L if uniform else None,
-        equal_tokens=equal_tokens,
-    )
-    if sum(layout.sequences) < 2:
-        raise ValueError(
-            f"taco_loss: negatives come from other sequences, but the batch holds {sum(layout.sequences)} "
-            f"sequence(s) over {layout.world_size} rank(s); use a micro-batch of >= 2 sequences"
-        )
+        return anchor_flat_N, positive_ok_N, (~positive_ok_N).sum()
+    chosen_BL = real_BL if anchors == "all" else real_BL & (masked_BL if anchors == "masked" else ~masked_BL)
+    anchor_BL = chosen_BL & has_positive_B[:, None]
+    skipped = (chosen_BL & ~has_positive_B[:, None]).sum()
+    return anchor_BL.reshape(-1).nonzero().squeeze(1), None, skipped
 
-    hidden_MD, embeddings_MD = hidden_BLD.reshape(B * L, D), embeddings_BLD.reshape(B * L, D)
-    draw = draw_pool(real_flat_T=real_flat_T, width=L, layout=layout, pool_size=pool_size)
+
+def _pool(hidden_MD, embeddings_MD, *, real_flat_T, width, layout, pool_size, detach, group):
+    """The pool of g = hidden - embeddings rows drawn from every rank (sampling.draw_pool), gathered in
+    the input dtype; rows carry gradients back across ranks unless `detach`."""
+    draw = draw_pool(real_flat_T=real_flat_T, width=width, layout=layout, pool_size=pool_size)
     with torch.set_grad_enabled(torch.is_grad_enabled() and not detach):
-        pool_rows_nD = (
+        rows_nD = (
             hidden_MD.index_select(0, draw.flat_n).float() - embeddings_MD.index_select(0, draw.flat_n).float()
-        ).to(hidden_BLD.dtype)
-    pool = gather_pool(pool_rows_nD, draw=draw, group=group, autograd=not detach)
-    pool_PD = F.normalize(pool.vectors_PD.float(), dim=-1)
+        ).to(hidden_MD.dtype)
+    return gather_pool(rows_nD, draw=draw, group=group, autograd=not detach)
 
+
+def _draws(layout, *, anchor_flat_N, real_BL, pool, window, num_negatives):
+    """(positive_flat_N, negative_NK pool indices, has_negatives_N): each anchor's row of the global
+    per-anchor stream, its positive from the first two columns, its K negatives from the rest."""
+    L = real_BL.shape[1]
     u_NC = anchor_uniforms(
-        layout.seed,
-        start=layout.anchor_offset,
-        count=anchor_flat_N.shape[0],
-        columns=2 + num_negatives,
-        device=hidden_BLD.device,
-    )
+        layout.seed, start=layout.anchor_offset, count=anchor_flat_N.shape[0], columns=2 + num_negatives,
+        device=real_BL.device,
+    )  # fmt: skip
     positive_flat_N = positive_positions(u_NC[:, :2], anchor_flat_N=anchor_flat_N, real_BL=real_BL, window=window)
     negative_NK, has_negatives_N = negative_pool_indices(
         u_NC[:, 2:], anchor_sequence_N=anchor_flat_N // L + layout.sequence_offset, pool_sequence_P=pool.sequence_P
     )
-    loss_N, correct_N = taco_anchor_losses(
-        hidden_MD,
-        embeddings_MD,
-        pool_PD,
-        anchor_N=anchor_flat_N,
-        positive_N=positive_flat_N,
-        negative_NK=negative_NK,
-        temperature=temperature,
-        detach=detach,
-    )
-    valid_N = has_negatives_N if positive_ok_N is None else has_negatives_N & positive_ok_N
-    no_negative_N = ~has_negatives_N
-    if positive_ok_N is not None:
-        no_negative_N = no_negative_N & positive_ok_N  # an anchor without a positive is counted once
-    skipped = skipped + no_negative_N.sum()
-    gathered = layout_bytes(layout) + pool.gathered_bytes
-    return share_across_ranks(
-        loss_N, correct_N=correct_N, valid_N=valid_N, skipped=skipped, gathered_bytes=gathered, group=group
-    )
+    return positive_flat_N, negative_NK, has_negatives_N

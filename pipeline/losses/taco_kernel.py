@@ -64,35 +64,17 @@ class _TacoLoss(torch.autograd.Function):
             inverse_anchor_N[chunk], inverse_positive_N[chunk] = inv_a_n, inv_p_n
         correct_N = logits_NC[:, 0] > logits_NC[:, 1:].max(dim=1).values
         ctx.save_for_backward(
-            hidden_MD,
-            embeddings_MD,
-            pool_PD,
-            anchor_N,
-            positive_N,
-            negative_NK,
-            logits_NC,
-            log_z_N,
-            inverse_anchor_N,
+            hidden_MD, embeddings_MD, pool_PD, anchor_N, positive_N, negative_NK, logits_NC, log_z_N, inverse_anchor_N,
             inverse_positive_N,
-        )
+        )  # fmt: skip
         ctx.inverse_tau, ctx.detach, ctx.step = inverse_tau, detach, step
         ctx.mark_non_differentiable(correct_N)
         return log_z_N - logits_NC[:, 0], correct_N
 
     @staticmethod
     def backward(ctx, grad_loss_N, _grad_correct):  # type: ignore[override]
-        (
-            hidden_MD,
-            embeddings_MD,
-            pool_PD,
-            anchor_N,
-            positive_N,
-            negative_NK,
-            logits_NC,
-            log_z_N,
-            inverse_anchor_N,
-            inverse_positive_N,
-        ) = ctx.saved_tensors
+        (hidden_MD, embeddings_MD, pool_PD, anchor_N, positive_N, negative_NK, logits_NC, log_z_N, inverse_anchor_N,
+         inverse_positive_N) = ctx.saved_tensors  # fmt: skip
         need_rows = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         need_pool = ctx.needs_input_grad[2]
         rows = _Rows(hidden_MD, embeddings_MD, anchor_N)
