@@ -316,36 +316,10 @@ def run_analysis(cfg: AnalyzeConfig) -> dict:
     heat_panels = []
     heat_text = cfg.heatmap_text
     for label, path in cfg.models:
-        encoder, tokenizer = load_encoder(path, tokenizer_dir=cfg.tokenizer)
-        seqs, source = data.sequences(tokenizer, label=label)
-        metrics["data"][vocab_fingerprint(tokenizer)] = asdict(source)
-        result = analyse_encoder(
-            encoder,
-            seqs=seqs,
-            pad_id=tokenizer.pad_token_id,
-            batch_size=cfg.batch_size,
-            device=device,
-            isotropy_tokens=cfg.isotropy_tokens,
-            isotropy_pairs=cfg.isotropy_pairs,
-            seed=cfg.seed,
-        )
-        if heat_text is None:
-            heat_text = first_sentence_text(
-                seqs, tokenizer=data.shard_tokenizer or tokenizer, max_tokens=cfg.heatmap_max_tokens
-            )
-        tokens, sim = sentence_heatmap(
-            encoder, tokenizer=tokenizer, text=heat_text, max_tokens=cfg.heatmap_max_tokens, device=device
-        )
-        heat_panels.append((label, tokens, sim))
-        metrics["models"][label] = {
-            "path": str(path),
-            "vocab": vocab_fingerprint(tokenizer),
-            "unk_share": source.unk_tokens / max(source.tokens, 1),
-            "last_layer": _summary(result),
-            **result,
-            "heatmap": {"text": heat_text, "tokens": tokens, "similarity": sim},
-        }
-        del encoder
+        model, source, heat_text = _analyse_model(label, path, cfg=cfg, data=data, device=device, heat_text=heat_text)
+        metrics["data"][model["vocab"]] = source
+        heat_panels.append((label, model["heatmap"]["tokens"], model["heatmap"]["similarity"]))
+        metrics["models"][label] = model
     if cfg.models:
         import numpy as np
 
@@ -366,6 +340,32 @@ def run_analysis(cfg: AnalyzeConfig) -> dict:
     (cfg.out / "metrics.json").write_text(json.dumps(metrics, indent=1, ensure_ascii=False))
     (cfg.out / "README.md").write_text(report_markdown(metrics), encoding="utf-8")
     return metrics
+
+
+def _analyse_model(label: str, path: Path, *, cfg: AnalyzeConfig, data, device, heat_text: Optional[str]):
+    """(one model's metrics entry, what its data was (sequences, tokens, skipped), the heatmap's text: the
+    first model's first sentence unless given)."""
+    encoder, tokenizer = load_encoder(path, tokenizer_dir=cfg.tokenizer)
+    seqs, source = data.sequences(tokenizer, label=label)
+    result = analyse_encoder(
+        encoder, seqs=seqs, pad_id=tokenizer.pad_token_id, batch_size=cfg.batch_size, device=device,
+        isotropy_tokens=cfg.isotropy_tokens, isotropy_pairs=cfg.isotropy_pairs, seed=cfg.seed,
+    )  # fmt: skip
+    if heat_text is None:
+        shown = data.shard_tokenizer or tokenizer
+        heat_text = first_sentence_text(seqs, tokenizer=shown, max_tokens=cfg.heatmap_max_tokens)
+    tokens, sim = sentence_heatmap(
+        encoder, tokenizer=tokenizer, text=heat_text, max_tokens=cfg.heatmap_max_tokens, device=device
+    )
+    entry = {
+        "path": str(path),
+        "vocab": vocab_fingerprint(tokenizer),
+        "unk_share": source.unk_tokens / max(source.tokens, 1),
+        "last_layer": _summary(result),
+        **result,
+        "heatmap": {"text": heat_text, "tokens": tokens, "similarity": sim},
+    }
+    return entry, asdict(source), heat_text
 
 
 def _f(x: float) -> str:
