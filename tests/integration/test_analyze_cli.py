@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.evaluation.representation import metrics as analysis
 from pipeline.evaluation.representation.inputs import (
     read_mds_sequences,
 )
+from pipeline.modeling import similarity as analysis
 from tests.support.png import assert_png
 from tests.support.tiny_bert import write_tiny_bert, write_tokenizer
 

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.evaluation.representation import metrics as analysis
 from pipeline.evaluation.representation import plots
 from pipeline.evaluation.representation.inputs import (
     read_text_sequences,
     sentence_ids_from_specials,
 )
+from pipeline.modeling import similarity as analysis
 from tests.support.png import assert_png
 from tests.support.tiny_bert import write_tokenizer
 

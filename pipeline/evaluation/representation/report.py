@@ -19,7 +19,6 @@ import torch
 
 from pipeline.cli import knob
 from pipeline.evaluation.models import parse_model, resolve_device, unique_labels
-from pipeline.evaluation.representation import metrics as analysis
 from pipeline.evaluation.representation import plots
 from pipeline.evaluation.representation.inputs import (
     AnalysisSequence,
@@ -31,6 +30,7 @@ from pipeline.evaluation.representation.inputs import (
     read_text_sequences,
     structural_special_ids,
 )
+from pipeline.modeling import similarity as analysis
 from preprocessing.errors import UsageError
 from preprocessing.shard_format import vocabulary_of
 

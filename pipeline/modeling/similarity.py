@@ -1,6 +1,7 @@
 """Representation metrics: how closely token vectors crowd together, layer by layer.
 
-Pure tensor functions (no model, no files) behind `pipeline/analyze.py`:
+Pure tensor functions (no model, no files) behind `pipeline/analyze.py` and the trainer's held-out
+evaluation:
 - TaCL's intra-sentence self-similarity: the mean cosine between *different* tokens of one sentence,
   averaged over sentences;
 - TACO's intra-context against inter-context similarity: the mean cosine between different tokens of
@@ -9,7 +10,7 @@ Pure tensor functions (no model, no files) behind `pipeline/analyze.py`:
   principal direction.
 
 Which tokens take part is the caller's decision, made once: every function takes integer group ids
-per token, and id -1 leaves a token out. `pipeline/analysis_data.py` gives -1 to special tokens
+per token, and id -1 leaves a token out. pipeline.evaluation.representation.inputs gives -1 to special tokens
 ([CLS], [SEP], [PAD], ...) and to padding, so none of these numbers ever includes them.
 
 The means are exact without an N x N similarity matrix. For unit vectors u_1..u_n with sum s,
