@@ -13,18 +13,21 @@ import contextlib
 import datetime
 import functools
 import inspect
+import json
 import os
 import re
 import socket
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
+
+from preprocessing.errors import UsageError
 
 # ---------------------------------------------------------------------------------------------------
 # Launch environment
@@ -129,27 +132,25 @@ def init_process_group(*, backend: str, timeout_s: float = 600.0, device: Option
 
     `timeout_s` bounds every collective: if a rank dies, the others fail after this long instead of
     hanging until the job's time limit. `device` (NCCL): this rank's GPU, bound to the group up front.
-    With NCCL a gloo group of the same ranks is created beside it for host-side collectives.
+    With NCCL a gloo group of the same ranks is created beside it for host-side collectives. The
+    rendezvous store is the one `gpu_for_this_rank` already gathered over, when it ran first.
     """
     global _HOST_GROUP
     env_from_slurm()
     if dist.is_initialized():
         return
     timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank_, world = _rendezvous_store(timeout_s)
+    store.set_timeout(timeout)
+    # What init_process_group(init_method="env://") builds from the same store.
+    args = dict(
+        backend=backend, timeout=timeout, store=dist.PrefixStore("default_pg", store), rank=rank_, world_size=world
+    )
     if backend == "nccl" and device is not None:
-        dist.init_process_group(backend=backend, timeout=timeout, device_id=device)
-    else:
-        dist.init_process_group(backend=backend, timeout=timeout)
+        args["device_id"] = device
+    dist.init_process_group(**args)
     if backend == "nccl":
         _HOST_GROUP = dist.new_group(backend="gloo", timeout=timeout)
-
-
-def gpu_for_this_rank() -> Optional[torch.device]:
-    """The GPU this rank drives: LOCAL_RANK modulo the GPUs it sees (a Slurm task bound to one GPU
-    sees one, whatever its local rank). None without GPUs."""
-    if not torch.cuda.is_available():
-        return None
-    return torch.device("cuda", local_rank() % torch.cuda.device_count())
 
 
 def host_group(group: Optional[dist.ProcessGroup] = None) -> Optional[dist.ProcessGroup]:
@@ -170,6 +171,189 @@ def _collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.devic
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------------
+# One GPU per rank, decided before the process group exists (NCCL binds its device at init)
+#
+# What a rank sees depends on the launch: torchrun, deepspeed and srun without --gpu-bind (the
+# Slurm scripts) show every GPU of the node; `srun --gpus-per-task=1` shows one; `--gpu-bind=closest`
+# shows the GPUs of the rank's socket, to every rank bound there (Slurm's socket-cyclic task layout:
+# local ranks 0, 2, 4, 6 see GPUs 0-3 of a 2-socket node). Every rank posts what it sees to the
+# rendezvous store and takes the GPU at its position among the ranks that see the same GPUs: distinct
+# GPUs in all three cases, where LOCAL_RANK modulo the GPUs seen gives ranks 0 and 4 the same one
+# under `closest`. `check_one_gpu_per_rank` then compares the GPUs' UUIDs and refuses any shared.
+# ---------------------------------------------------------------------------------------------------
+
+# The env:// rendezvous store of this process's launch (store, rank, world size), made once.
+_STORE: Optional[tuple[dist.Store, int, int]] = None
+_LAUNCH_GATHERS = 0  # gathers made over it: each gets its own keys
+
+
+def _rendezvous_store(timeout_s: float) -> tuple[dist.Store, int, int]:
+    """The store that init_method="env://" would make (rank 0 serves it at MASTER_ADDR:MASTER_PORT;
+    torchrun's agent serves it under torchrun), made once per process and shared by the launch
+    gathers and the process group."""
+    global _STORE
+    if _STORE is None:
+        env_from_slurm()
+        _STORE = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_s)))
+    return _STORE
+
+
+def all_gather_at_launch(obj: object, *, timeout_s: float = 600.0) -> list:
+    """Every rank's `obj` (JSON-serialisable: tuples come back as lists), in rank order, over the
+    rendezvous store: a collective that works before the process group exists (and after). [obj] in
+    a world of one."""
+    global _LAUNCH_GATHERS
+    if launch_world_size() == 1:
+        return [obj]
+    store, rank_, world = _rendezvous_store(timeout_s)
+    _LAUNCH_GATHERS += 1  # every rank makes the same gathers in the same order
+    scoped = dist.PrefixStore(f"tokencl/launch_gather_{_LAUNCH_GATHERS}", store)
+    scoped.set(str(rank_), json.dumps(obj))
+    return [json.loads(scoped.get(str(r))) for r in range(world)]  # get waits for the key
+
+
+def node_name() -> str:
+    """This process's node, for messages: Slurm's node name, else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or hostname()
+
+
+def visible_gpu_uuids() -> list[str]:
+    """The UUIDs ("GPU-...") of the GPUs this process sees, in CUDA order; [] without CUDA."""
+    if not torch.cuda.is_available():
+        return []
+    return [gpu_uuid(i) for i in range(torch.cuda.device_count())]
+
+
+def gpu_uuid(index: int) -> str:
+    """The UUID of visible GPU `index`, as nvidia-smi writes it: the same physical GPU has the same
+    UUID whatever index a CUDA_VISIBLE_DEVICES list gives it in each process."""
+    return f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+
+
+def gpu_index(local_rank: int, *, visible: Sequence[str], sharing: Sequence[int]) -> int:
+    """Which of the GPUs it sees a rank drives: an index into `visible` (its GPUs, in CUDA order).
+
+    `sharing`: the local ranks of its node that see the same `visible` list, itself included. One
+    GPU seen: that one. Several: the one at the rank's position among `sharing` (its LOCAL_RANK
+    where every rank sees all the node's GPUs). More sharers than GPUs wrap around, and
+    `check_one_gpu_per_rank` refuses the result.
+    """
+    order = sorted(sharing)
+    if local_rank not in order or not visible:
+        raise AssertionError(f"local rank {local_rank} is not among {order}, or sees no GPU ({list(visible)})")
+    return order.index(local_rank) % len(visible)
+
+
+class RankView(NamedTuple):
+    """What one rank sees at start-up: `visible` identifies its GPUs in CUDA order (their UUIDs, so
+    equal lists mean the same GPUs; [] without GPUs)."""
+
+    rank: int
+    local_rank: int
+    visible: tuple[str, ...]
+
+
+def pick_gpus(views: Sequence[RankView]) -> list[Optional[int]]:
+    """Every rank's GPU, as an index into its own `visible` (None without GPUs), in the order of
+    `views`: `gpu_index` with the ranks that see the same GPUs as the sharers."""
+    sharers: dict[tuple[str, ...], list[int]] = {}
+    for v in views:
+        sharers.setdefault(tuple(v.visible), []).append(v.local_rank)
+    return [
+        gpu_index(v.local_rank, visible=v.visible, sharing=sharers[tuple(v.visible)]) if v.visible else None
+        for v in views
+    ]
+
+
+def gpu_for_this_rank(
+    *, visible: Callable[[], Sequence[str]] = visible_gpu_uuids, timeout_s: float = 600.0
+) -> Optional[torch.device]:
+    """The GPU this rank drives (`pick_gpus`), None without GPUs: a collective of every rank before
+    the process group exists (over the rendezvous store). `visible`: the identities of the GPUs this
+    process sees, in CUDA order (their UUIDs; a test passes its own)."""
+    me = RankView(rank=launch_rank(), local_rank=local_rank(), visible=tuple(visible()))
+    views = [RankView(r, lr, tuple(v)) for r, lr, v in all_gather_at_launch(list(me), timeout_s=timeout_s)]
+    index = pick_gpus(views)[me.rank]
+    return None if index is None else torch.device("cuda", index)
+
+
+class GpuClaim(NamedTuple):
+    """One rank's GPU at start-up: `uuid` None without one; `visible_devices` is its
+    CUDA_VISIBLE_DEVICES as the launcher set it."""
+
+    rank: int
+    node: str
+    uuid: Optional[str]
+    visible_devices: str
+
+
+def check_one_gpu_per_rank(
+    gpu: Optional[torch.device], *, uuid_of: Callable[[int], str] = gpu_uuid, timeout_s: float = 600.0
+) -> None:
+    """Refuse to start, on every rank, when ranks share a GPU or only some ranks have one
+    (`refuse_shared_gpus`). A collective over the rendezvous store: call it before NCCL starts,
+    which would fail on a shared GPU with a less telling error. `uuid_of`: visible index -> UUID."""
+    claim = GpuClaim(
+        rank=launch_rank(),
+        node=node_name(),
+        uuid=None if gpu is None else uuid_of(torch.cuda.current_device() if gpu.index is None else gpu.index),
+        visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)"),
+    )
+    refuse_shared_gpus([GpuClaim(*row) for row in all_gather_at_launch(list(claim), timeout_s=timeout_s)])
+
+
+def refuse_shared_gpus(claims: Sequence[GpuClaim]) -> None:
+    """UsageError when two ranks drive one physical GPU (same UUID), naming the ranks, their node(s),
+    the GPU and what each saw; or when some ranks have a GPU and others none. Else nothing."""
+    by_uuid: dict[str, list[GpuClaim]] = {}
+    for c in claims:
+        if c.uuid is not None:
+            by_uuid.setdefault(c.uuid, []).append(c)
+    shared = sorted((sorted(cs) for cs in by_uuid.values() if len(cs) > 1), key=lambda cs: cs[0].rank)
+    fix = (
+        "launch one task per GPU (--ntasks-per-node equal to the GPUs per node, and srun without "
+        "--gpu-bind as slurm/train_job.sh does, or srun --gpus-per-task=1)"
+    )
+    if shared:
+        cs = shared[0]
+        both = "both" if len(cs) == 2 else "all"
+        more = f" ({len(shared) - 1} more GPU(s) are driven by several ranks)" if len(shared) > 1 else ""
+        raise UsageError(
+            f"ranks {_and_list([c.rank for c in cs])} on {_nodes(cs)} {both} drive GPU {cs[0].uuid} "
+            f"({_visible_devices(cs)}){more}: {fix}"
+        )
+    without = [c for c in claims if c.uuid is None]
+    if without and len(without) < len(claims):
+        sees = "sees" if len(without) == 1 else "see"
+        raise UsageError(
+            f"{_plural('rank', without)} {_and_list([c.rank for c in without])} on {_nodes(without)} {sees} no GPU "
+            f"({_visible_devices(without)}) while the other ranks each drive one: give every node GPUs "
+            "(sbatch --gpus-per-node), or run every rank on CPU (CPU_MODE=1 in the Slurm scripts)"
+        )
+
+
+def _and_list(items: Sequence[object]) -> str:
+    words = [str(i) for i in items]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def _plural(word: str, items: Sequence[object]) -> str:
+    return word if len(items) == 1 else word + "s"
+
+
+def _nodes(claims: Sequence[GpuClaim]) -> str:
+    nodes = sorted({c.node for c in claims})
+    return f"{_plural('node', nodes)} {_and_list(nodes)}"
+
+
+def _visible_devices(claims: Sequence[GpuClaim]) -> str:
+    """CUDA_VISIBLE_DEVICES=X when the ranks saw the same list, else each rank's."""
+    if len({c.visible_devices for c in claims}) == 1:
+        return f"CUDA_VISIBLE_DEVICES={claims[0].visible_devices}"
+    return "CUDA_VISIBLE_DEVICES=" + ", ".join(f"{c.visible_devices} on rank {c.rank}" for c in claims)
 
 
 # ---------------------------------------------------------------------------------------------------

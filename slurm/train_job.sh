@@ -11,11 +11,36 @@
 # Needs from the caller: SCRIPT (its own path), DEFAULT_NODES, DEFAULT_GPUS_PER_NODE, and the
 # knob defaults (see the top of taco_64gpu.sh). Needs common.sh sourced.
 
-# srun's binding of each rank: with GPUs, to the cores nearest its GPU (its loader workers inherit
-# them); none in CPU mode. Sets BIND.
+# srun's binding of each rank; none in CPU mode. Sets CPU_BIND, GPU_BIND and BIND (both).
+#   CPU: each task on cores of its own (its loader workers inherit them).
+#   GPU: no --gpu-bind. Every task then sees all the job's GPUs on its node (CUDA_VISIBLE_DEVICES
+#   lists them), and before NCCL starts the ranks pick one each (pipeline.distributed.
+#   gpu_for_this_rank: the GPU at its position among the local ranks that see the same GPUs, i.e.
+#   GPU = LOCAL_RANK here) and refuse to start if two ranks drive one physical GPU (same UUID).
+#   Slurm's per-task GPU binding is not robust (measured on Slurm 22.05, tests/integration/
+#   test_slurm_gpus.py; slurm/README.md, "GPU binding"): --gpu-bind=closest gives a task every GPU
+#   of its socket while the default task layout alternates sockets, so local ranks 0, 2, 4, 6 of a
+#   2-socket node share GPUs 0-3; --gpu-bind=single:1 gave ranks 0 and 4 the same GPU;
+#   --gpu-bind=none set no CUDA_VISIBLE_DEVICES at all (a task sees every GPU of the machine where
+#   cgroups do not hide the others); --gpus-per-task=1 gives distinct GPUs, but where cgroups
+#   constrain devices a task can then open only its own, which breaks the CUDA IPC that NCCL uses
+#   between the GPUs of a node.
 set_binding() {
-    BIND=()
-    truthy "$CPU_MODE" || BIND=(--cpu-bind=cores --gpu-bind=closest)
+    CPU_BIND=() GPU_BIND=() BIND=()
+    truthy "$CPU_MODE" && return 0
+    CPU_BIND=(--cpu-bind=cores)
+    BIND=("${CPU_BIND[@]}" "${GPU_BIND[@]}")
+}
+
+# What the binding gives each task, for the dry run and the job log.
+describe_binding() {  # TASKS_PER_NODE
+    if truthy "$CPU_MODE"; then
+        say "CPU mode: DS_ACCELERATOR=cpu, CUDA_VISIBLE_DEVICES='' (gloo)"
+        return 0
+    fi
+    say "GPU binding: none (no srun --gpu-bind): every task sees the $1 GPU(s) of its node, LOCAL_RANK r" \
+        "drives GPU r (pipeline.distributed.gpu_for_this_rank), and the ranks refuse to start if two" \
+        "drive one GPU (same UUID)"
 }
 
 # The rendezvous port of a job: pipeline.distributed owns the formula (a bare `srun python
@@ -157,17 +182,19 @@ dry_run() {  # NODELIST TASKS_PER_NODE CPUS_PER_TASK JOB_ID
     say "dry run: nothing is started"
     say "allocation: ${#nodes[@]} node(s) ($nodelist) x $tpn task(s), $cpt CPU(s) per task; job id $job"
     say "$(describe_batch "$world")"
-    truthy "$CPU_MODE" && say "CPU mode: DS_ACCELERATOR=cpu, CUDA_VISIBLE_DEVICES='' (gloo)"
     say "MASTER_ADDR=$master_addr MASTER_PORT=$master_port WORLD_SIZE=$world LOCAL_WORLD_SIZE=$tpn" \
         "TMPDIR=$LOCAL_DISK/tokencl-$job (on each node)"
     build_train_cmd
     set_binding
+    describe_binding "$tpn"
     describe_wandb
     print_cmd srun --kill-on-bad-exit=1 --nodes="${#nodes[@]}" --ntasks="$world" --ntasks-per-node="$tpn" \
         --cpus-per-task="$cpt" --export=ALL "${BIND[@]}" bash "$REPO/slurm/task_env.sh" "${TRAIN_CMD[@]}"
     print_resolved_config
+    local gpus=""
+    truthy "$CPU_MODE" || gpus=" -> GPU 0..$((tpn - 1))"
     for n in "${nodes[@]}"; do
-        say "node $n: RANK $((i * tpn))..$((i * tpn + tpn - 1)), LOCAL_RANK 0..$((tpn - 1))"
+        say "node $n: RANK $((i * tpn))..$((i * tpn + tpn - 1)), LOCAL_RANK 0..$((tpn - 1))$gpus"
         i=$((i + 1))
     done
 }
@@ -205,6 +232,7 @@ run_in_allocation() {
     say "MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT TMPDIR=$JOB_SCRATCH (on each node)"
     build_train_cmd
     set_binding
+    describe_binding "$tpn"
     describe_wandb
     local srun_cmd=(srun --kill-on-bad-exit=1 --nodes="$nnodes" --ntasks="$world" --ntasks-per-node="$tpn"
                     --cpus-per-task="$cpt" --export=ALL "${BIND[@]}" bash "$REPO/slurm/task_env.sh" "${TRAIN_CMD[@]}")

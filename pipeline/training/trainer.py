@@ -198,7 +198,9 @@ def _start_process_group(prep: Prepared) -> Optional[torch.device]:
     cfg = prep.cfg
     distributed.normalize_launch_env()
     # The GPU first, so that NCCL binds this rank's (a Slurm task bound to one GPU sees only it).
-    gpu = distributed.gpu_for_this_rank()
+    gpu = distributed.gpu_for_this_rank(timeout_s=cfg.run.dist_timeout_s)
+    # Two ranks of a node on one GPU (a launcher that binds GPUs per socket): refused, naming them.
+    distributed.check_one_gpu_per_rank(gpu, timeout_s=cfg.run.dist_timeout_s)
     if gpu is not None:
         torch.cuda.set_device(gpu)
     distributed.bound_new_group_timeouts(timeout_s=cfg.run.dist_timeout_s)

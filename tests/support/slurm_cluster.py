@@ -9,6 +9,12 @@ asked: TOKENCL_REQUIRE_SLURM=1 (CI, .ci/run) or TOKENCL_INSTALL_SLURM=1; otherwi
 say the command to run.
 
     python -m tests.support.slurm_cluster     # start one by hand; prints `export SLURM_CONF=...`, Ctrl-C stops it
+
+`SlurmCluster(gpu_sockets=True)` makes the nodes two-socket GPU nodes whose GPU binding is real:
+task/affinity binds tasks to CPUs, and each node's 8 fake GPUs (character devices that slurmd
+accepts; plain files it rejects, and then sets no CUDA_VISIBLE_DEVICES) are attached 4 per socket
+in gres.conf. task/affinity binds to the machine's real CPUs, so such a node has 2 of them, one per
+socket (`GPU_NODE_CPUS`): CPU 0 is socket 0 with GPUs 0-3, CPU 1 socket 1 with GPUs 4-7.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -28,8 +35,14 @@ PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel", "munged")
 NODES = ("n1", "n2")
 CPUS_PER_NODE = 8  # more than the machine has (allowed by config_overrides): jobs oversubscribe
-GPUS_PER_NODE = 8  # fake: files, not devices; lets the launchers' --gpus-per-node headers through
+# Fake: by default plain files, which slurmd rejects as devices: the launchers' --gpus-per-node
+# headers get through, and no task gets a CUDA_VISIBLE_DEVICES (gpu_sockets=True makes them work).
+GPUS_PER_NODE = 8
 MEMORY_MB_PER_NODE = 64000  # not a consumable here (CR_Core); requests are only checked against it
+# gpu_sockets=True: 2 sockets x 1 core, a real CPU each (task/affinity cannot bind to CPUs the
+# machine lacks); GPUs 0-3 on the first socket, 4-7 on the second.
+GPU_NODE_CPUS = (0, 1)
+NVIDIA_MAJOR = 195  # the character-device major of /dev/nvidiaN; nothing opens these files
 
 
 class SlurmUnavailable(RuntimeError):
@@ -134,9 +147,10 @@ def _stop_pids(pids: list[Optional[int]], *, timeout_s: float = 10.0) -> None:
 class SlurmCluster:
     """One controller and two slurmd's (`n1`, `n2`) with everything under `root`."""
 
-    def __init__(self, root: Optional[Path] = None) -> None:
+    def __init__(self, root: Optional[Path] = None, *, gpu_sockets: bool = False) -> None:
         # A short path: munge's socket path must fit in a sockaddr_un (108 bytes).
         self.root = Path(root or tempfile.mkdtemp(prefix="tks-", dir="/tmp"))
+        self.gpu_sockets = gpu_sockets
         self.conf = self.root / "slurm.conf"
         self.hostname = socket.gethostname().split(".")[0]
         self.ctld_port = free_port()
@@ -209,11 +223,18 @@ class SlurmCluster:
 
     def _write_config(self) -> None:
         r = self.root
-        for i in range(GPUS_PER_NODE):
-            (r / "dev" / f"gpu{i}").touch()
+        if self.gpu_sockets:
+            cpus, task_plugin = self._gpu_socket_devices(), "task/affinity"
+        else:
+            for i in range(GPUS_PER_NODE):
+                (r / "dev" / f"gpu{i}").touch()
+            (r / "gres.conf").write_text(
+                f"NodeName={','.join(NODES)} Name=gpu File={r}/dev/gpu[0-{GPUS_PER_NODE - 1}]\n"
+            )
+            cpus, task_plugin = f"CPUs={CPUS_PER_NODE}", "task/none"
         nodes = "\n".join(
             f"NodeName={n} NodeHostname={self.hostname} NodeAddr=127.0.0.1 Port={self.node_ports[n]} "
-            f"CPUs={CPUS_PER_NODE} RealMemory={MEMORY_MB_PER_NODE} Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
+            f"{cpus} RealMemory={MEMORY_MB_PER_NODE} Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
             for n in NODES
         )
         self.conf.write_text(f"""\
@@ -226,7 +247,7 @@ AuthType=auth/munge
 AuthInfo=socket={self.munge_socket},cred_expire=5
 CredType=cred/munge
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin={task_plugin}
 MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
@@ -251,7 +272,19 @@ GresTypes=gpu
 {nodes}
 PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
 """)
-        (r / "gres.conf").write_text(f"NodeName={','.join(NODES)} Name=gpu File={r}/dev/gpu[0-{GPUS_PER_NODE - 1}]\n")
+
+    def _gpu_socket_devices(self) -> str:
+        """Character devices nvidia0..7 and a gres.conf with 4 per socket; the nodes' CPU layout."""
+        per_socket = GPUS_PER_NODE // len(GPU_NODE_CPUS)
+        lines = []
+        for socket_index in range(len(GPU_NODE_CPUS)):  # Slurm numbers a socket's cores from socket 0 up
+            first = socket_index * per_socket
+            for i in range(first, first + per_socket):
+                os.mknod(self.root / "dev" / f"nvidia{i}", 0o600 | stat.S_IFCHR, os.makedev(NVIDIA_MAJOR, i))
+            files = f"{self.root}/dev/nvidia[{first}-{first + per_socket - 1}]"
+            lines.append(f"NodeName={','.join(NODES)} Name=gpu File={files} Cores={socket_index}\n")
+        (self.root / "gres.conf").write_text("".join(lines))
+        return f"CPUs={len(GPU_NODE_CPUS)} Sockets={len(GPU_NODE_CPUS)} CoresPerSocket=1 ThreadsPerCore=1"
 
     def wait_idle(self, *, timeout_s: float = 30.0) -> None:
         """Until sinfo shows every node idle (resuming nodes that registered as down)."""

@@ -103,13 +103,16 @@ def test_taco_dry_run_prints_the_64_rank_command():
     assert f"--ds_config {REPO}/deepspeed_configs/zero2_64gpu.json --objective taco --data data/shards" in srun
     assert "--model_config base --max_steps 62500 --save_dir runs/taco-64gpu --resume auto" in srun
     assert "--lr 1e-3 --warmup_steps 3750" in srun  # the recipe for its global batch (docs/scaling.md)
-    assert "--cpu-bind=cores --gpu-bind=closest" in srun
+    # Cores per task, and no per-task GPU binding: every task sees its node's GPUs and the rank picks
+    # one (--gpu-bind=closest gave local ranks 0 and 4 of a 2-socket node the same GPU).
+    assert "--cpu-bind=cores bash" in srun and "--gpu-bind" not in srun and "--gpus-per-task" not in srun
+    assert "GPU binding: none (no srun --gpu-bind): every task sees the 8 GPU(s) of its node" in out
     assert "WORLD_SIZE=64 LOCAL_WORLD_SIZE=8" in out and "MASTER_ADDR=node001" in out
     assert "global batch 16384 = micro 128 x accumulation 2 x 64 ranks" in out
     resolved = json.loads(out[out.index("{", out.index("resolved configuration")) : out.rindex("}") + 1])
     assert resolved["schedule"] == {"max_steps": 62500, "lr": 0.001, "warmup_steps": 3750}
     assert resolved["run"]["save_every"] == 1000 and resolved["run"]["seed"] == 0  # the trainer's defaults
-    assert "node node008: RANK 56..63, LOCAL_RANK 0..7" in out
+    assert "node node008: RANK 56..63, LOCAL_RANK 0..7 -> GPU 0..7" in out
 
 
 def test_taco_dry_run_follows_the_knobs():
@@ -129,7 +132,8 @@ def test_taco_dry_run_follows_the_knobs():
     assert "--nodes=2 --ntasks=8 --ntasks-per-node=4" in srun
     assert "--data a --data s3://b/c --data_weights 0.3,0.7" in srun
     assert "--max_steps 10" in srun and srun.endswith("--lr 3e-4 --log_every 1")
-    assert "CPU mode" in r.stdout
+    assert "CPU mode" in r.stdout and "--cpu-bind" not in srun and "GPU binding" not in r.stdout
+    assert "node node002: RANK 4..7, LOCAL_RANK 0..3\n" in r.stdout
 
 
 def test_wandb_settings_reach_the_ranks_and_the_key_is_never_printed():
