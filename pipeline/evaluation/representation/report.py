@@ -17,7 +17,6 @@ from typing import Optional
 
 import torch
 
-from pipeline.cli import knob
 from pipeline.evaluation.models import parse_model, resolve_device, unique_labels
 from pipeline.evaluation.representation import metrics as analysis
 from pipeline.evaluation.representation import plots
@@ -31,6 +30,7 @@ from pipeline.evaluation.representation.inputs import (
     read_text_sequences,
     structural_special_ids,
 )
+from preprocessing.cli import knob
 from preprocessing.errors import UsageError
 from preprocessing.shard_format import vocabulary_of
 
