@@ -25,7 +25,8 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
-from preprocessing.config import OUTPUT_KEYS, BuildConfig, parse_args
+from preprocessing import cli
+from preprocessing.config import BuildConfig, describe_json, math_knobs, parse_args
 from preprocessing.errors import UsageError, note
 from preprocessing.inputs import Chunk, InputFile, auto_chunk_bytes, plan_chunks, resolve_inputs
 from preprocessing.lock import output_lock
@@ -136,10 +137,10 @@ def _build(
         texts=texts,
         sp_model_type=cfg.sp_model_type,
     )
-    fp = fingerprint(cfg, files=files, chunk_bytes=chunk_bytes, tokenizer_sha256=tok.sha256, output_keys=OUTPUT_KEYS)
+    fp = fingerprint(cfg, files=files, chunk_bytes=chunk_bytes, tokenizer_sha256=tok.sha256, knobs=math_knobs())
     done = [c for c in chunks if (out / c.name / PART_STATS).is_file()] if previous else []
     if previous is not None:
-        check_resumable(previous, fingerprint=fp, out=out)
+        check_resumable(previous, fingerprint=fp, out=out, config_cls=BuildConfig)
         verify_done_parts(out, done, part_stats=PART_STATS)
     manifest = BuildManifest(
         status="running",
@@ -349,11 +350,13 @@ def _finish_index(ray, *, out: Path, cfg: BuildConfig, part_names: list[str]) ->
 # ---- command line -------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     """`python preprocessing/build_shards.py ...`: 0 on success, 2 on bad input or flags."""
-    try:
+
+    def run() -> int:
         cfg = parse_args(argv)
-        manifest = build_shards(cfg)
-    except UsageError as err:
-        print(f"build_shards.py: error: {err}", file=sys.stderr)
-        return 2
-    print(format_summary(manifest))
-    return 0
+        if cfg.print_config:
+            print(describe_json(cfg))
+            return 0
+        print(format_summary(build_shards(cfg)))
+        return 0
+
+    return cli.run(run, prog="build_shards.py")

@@ -18,6 +18,7 @@ import shutil
 import time
 from pathlib import Path
 
+from preprocessing import cli
 from preprocessing.errors import UsageError, note
 from preprocessing.lock import LOCK_NAME
 from preprocessing.shard_format import INDEX, MANIFEST, REJECTS, TOKENIZER_DIR, BuildManifest
@@ -165,16 +166,16 @@ def _size(n: float) -> str:
 
 
 # ---- resume -------------------------------------------------------------------------------------
-def fingerprint(cfg, *, files: list, chunk_bytes: int, tokenizer_sha256: str, output_keys: tuple) -> dict:
-    """Everything the samples depend on (not --num_workers): what --resume compares. input_state
-    (size and modification time per file) catches an input edited in place at the same size."""
+def fingerprint(cfg, *, files: list, chunk_bytes: int, tokenizer_sha256: str, knobs: list[str]) -> dict:
+    """Everything the samples depend on (not --num_workers): what --resume compares. `knobs`: the
+    config's math knobs, by value; the inputs, their encodings and the chunk size as resolved;
+    input_state (size and modification time per file) catches an input edited in place at the same size."""
     return {
         "inputs": [[f.path, f.lang, f.encoding] for f in files],
         "input_state": [[f.path, f.size, f.mtime_ns] for f in files],
         "chunk_bytes": chunk_bytes,
-        "tokenizer": cfg.tokenizer,
         "tokenizer_sha256": tokenizer_sha256,
-        **{k: getattr(cfg, k) for k in output_keys},
+        **{k: getattr(cfg, k) for k in knobs},
     }
 
 
@@ -182,9 +183,10 @@ def _when(mtime_ns: int) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime_ns / 1e9)) + f".{mtime_ns % 10**9:09d}"
 
 
-def check_resumable(previous: BuildManifest, *, fingerprint: dict, out: Path) -> None:
+def check_resumable(previous: BuildManifest, *, fingerprint: dict, out: Path, config_cls: type) -> None:
     """Refuse --resume when the settings or the inputs differ from the interrupted build's, naming
-    each changed setting or file."""
+    each changed setting or file. The knobs are compared as `cli.math_changes` compares a resumed
+    run's (a knob the earlier build did not know yet ran with its default)."""
     before = previous.fingerprint
     if "input_state" not in before:
         raise UsageError(
@@ -200,13 +202,16 @@ def check_resumable(previous: BuildManifest, *, fingerprint: dict, out: Path) ->
                 f"modified {_when(mtime0)} -> {_when(mtime)}); its finished parts hold the old text, so "
                 f"rebuild with --overwrite (if only its time changed: touch -d @{mtime0 / 1e9:.9f} {path})"
             )
-    keys = set(before) | set(fingerprint)
-    differ = sorted(k for k in keys - {"input_state"} if before.get(k) != fingerprint.get(k))
-    if differ:
+    knobs = cli.math_changes({"build": before}, {"build": fingerprint}, {"build": config_cls})
+    changed = {name.split(".", 1)[1]: values for name, values in knobs.items()}
+    facts = (set(before) | set(fingerprint)) - {f.name for f in cli.knob_fields(config_cls)} - {"input_state"}
+    changed.update({k: (before.get(k), fingerprint.get(k)) for k in facts if before.get(k) != fingerprint.get(k)})
+    if changed:
+        differ = sorted(changed)
         raise UsageError(
             f"--resume: {out} was built with different {', '.join(differ)} "
-            f"(before: {[before.get(k) for k in differ]}, now: "
-            f"{[fingerprint.get(k) for k in differ]}); rerun with the same settings "
+            f"(before: {[changed[k][0] for k in differ]}, now: "
+            f"{[changed[k][1] for k in differ]}); rerun with the same settings "
             "or use --overwrite"
         )
 
