@@ -40,7 +40,8 @@ from typing import Any, Optional
 import torch
 
 from pipeline import distributed
-from pipeline.bench.common import REPO, emit_json
+from pipeline.bench.common import REPO
+from preprocessing import cli
 
 ALIGN_ELEMENTS = 2  # DeepSpeed's nccl_start_alignment_factor: each group's flat buffer is padded to 2 x R
 NORM_BYTES = 4  # the fp32 gradient-norm partial each group all-reduces
@@ -292,7 +293,7 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.bench_parser(__doc__.split("\n")[0], out=True)
     p.add_argument("--world_sizes", default="2,4", help="comma-separated rank counts, one run each")
     p.add_argument("--ds_config", default=str(REPO / "deepspeed_configs" / "zero2.json"))
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="fp32: bf16.enabled false")
@@ -310,7 +311,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2, help="steps counted")
     p.add_argument("--warmup", type=int, default=1, help="steps run first, not counted")
     p.add_argument("--timeout", type=float, default=300, help="seconds for all the runs")
-    p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     return p
@@ -356,7 +356,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     worlds = [int(w) for w in a.world_sizes.split(",")]
     child = [f"--{k}={getattr(a, k)}" for k in _WORKER_ARGS if getattr(a, k) is not None]
     runs = run_worlds(child, worlds=worlds, timeout=a.timeout)
-    emit_json(
+    cli.emit_json(
         {
             "benchmark": "comm_bytes",
             "deepspeed": _deepspeed_version(),
