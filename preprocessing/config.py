@@ -72,7 +72,15 @@ class BuildConfig:
     max_seq_len: int = knob(128, "tokens per sample, [CLS] and [SEP]s included", group=SAMPLES)
     short_seq_prob: float = knob(0.1, "nsp: the share of pairs made shorter than max_seq_len", group=SAMPLES)
     random_next_prob: float = knob(0.5, "nsp: the share of pairs whose B is another document's", group=SAMPLES)
-    seed: int = knob(12345, "the seed of the nsp pairs", group=SAMPLES)
+    seed: int = knob(12345, "the seed of the nsp pairs and of the held-out documents", group=SAMPLES)
+    eval_share: float = knob(
+        0.0,
+        "hold out this share of the documents, in every language, for evaluation: their samples go to "
+        "OUTPUT/eval (a shard folder of its own), never to training. A document is held out when a hash "
+        "of --seed and its text falls in that share of the hash range, so the choice does not depend on "
+        "the workers, the chunks or the order of the inputs",
+        group=SAMPLES,
+    )
     text_field: str = knob("text", "JSONL/Parquet/datasets column holding the text", group=SAMPLES)
     encodings: list[str] = knob(
         help="read text/JSONL inputs in this encoding (default utf-8): ENCODING for all of them, GLOB=ENCODING "
@@ -137,6 +145,10 @@ class BuildConfig:
         for name in ("short_seq_prob", "random_next_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise UsageError(f"--{name} {getattr(self, name)}: must be between 0 and 1")
+        if not 0.0 <= self.eval_share < 1.0:
+            raise UsageError(
+                f"--eval_share {self.eval_share}: must be at least 0 and below 1 (a share of the documents)"
+            )
         self._validate_execution()
         if not self.text_field:
             raise UsageError("--text_field: must not be empty")

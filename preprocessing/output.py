@@ -4,9 +4,10 @@ and modification time, and a digest of the bytes every finished part was made fr
 
 OUTPUT is ours when it is empty, or holds a previous build: a build_manifest.json beside nothing but
 what the builder writes (index.json, part-XXXXX/ folders of shard files, tokenizer/, rejects.jsonl,
-their temporary forms), or only what a build writes before its manifest (tokenizer/, its temporary
-copy, the manifest's temporary file), which is what a build killed while preparing its tokenizer
-leaves. Anything else is the user's: --overwrite then refuses, naming it, and deletes nothing.
+their temporary forms, and eval/ holding the same kinds of things), or only what a build writes
+before its manifest (tokenizer/, its temporary copy, the manifest's temporary file), which is what a
+build killed while preparing its tokenizer leaves. Anything else is the user's: --overwrite then
+refuses, naming it, and deletes nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 from preprocessing import cli
 from preprocessing.errors import UsageError, note
 from preprocessing.lock import LOCK_NAME
-from preprocessing.shard_format import INDEX, MANIFEST, REJECTS, TOKENIZER_DIR, BuildManifest
+from preprocessing.shard_format import EVAL_DIR, INDEX, MANIFEST, REJECTS, TOKENIZER_DIR, BuildManifest
 
 EARLY_ARTEFACTS = frozenset({TOKENIZER_DIR, TOKENIZER_DIR + ".tmp", MANIFEST + ".tmp"})
 """What a build writes before its first manifest."""
@@ -95,20 +96,25 @@ def prepare_output(out: Path, *, overwrite: bool, resume: bool) -> BuildManifest
     )
 
 
-def _foreign(entries: list[Path]) -> list[str]:
-    """The entries (and part-folder files) that the builder does not write, as paths relative to OUTPUT."""
+def _foreign(entries: list[Path], *, inside: str = "") -> list[str]:
+    """The entries (and part-folder files) that the builder does not write, as paths relative to
+    OUTPUT; in OUTPUT/eval (the held-out split, `inside` "eval/") the same kinds of entries."""
     out = []
     for child in entries:
         if child.is_symlink():
-            out.append(child.name)
+            out.append(inside + child.name)
         elif child.is_dir() and _PART_DIR.fullmatch(child.name):
             out += [
-                f"{child.name}/{f.name}" for f in child.iterdir() if not (f.is_file() and _PART_FILE.fullmatch(f.name))
+                f"{inside}{child.name}/{f.name}"
+                for f in child.iterdir()
+                if not (f.is_file() and _PART_FILE.fullmatch(f.name))
             ]
+        elif child.is_dir() and child.name == EVAL_DIR and not inside:
+            out += _foreign(list(child.iterdir()), inside=f"{EVAL_DIR}/")
         elif not (child.name in _BUILD_DIRS and child.is_dir()) and not (
             child.name in _BUILD_FILES and child.is_file()
         ):
-            out.append(child.name + ("/" if child.is_dir() else ""))
+            out.append(inside + child.name + ("/" if child.is_dir() else ""))
     return sorted(out)
 
 
@@ -242,13 +248,20 @@ def verify_done_parts(out: Path, done: list, *, part_stats: str) -> None:
 
 
 def remove_stale(out: Path, *, keep: set[str], part_stats: str) -> None:
-    """Drop temporary folders of interrupted tasks and parts that are not in this plan."""
+    """Drop temporary folders of interrupted tasks and parts that are not in this plan, in OUTPUT
+    and OUTPUT/eval. (An interrupted chunk's finished held-out part is replaced when it is redone.)"""
     for child in out.iterdir():
         # Only the builder's own part folders (by their exact name pattern); a user's part-notes/ stays.
         if not (child.is_dir() and not child.is_symlink() and _PART_DIR.fullmatch(child.name)):
             continue
         if child.name.startswith(".tmp-") or child.name not in keep or not (child / part_stats).is_file():
             shutil.rmtree(child, ignore_errors=True)
+    held_out = out / EVAL_DIR
+    if held_out.is_dir() and not held_out.is_symlink():
+        for child in held_out.iterdir():
+            if child.is_dir() and not child.is_symlink() and _PART_DIR.fullmatch(child.name):
+                if child.name.startswith(".tmp-") or child.name not in keep:
+                    shutil.rmtree(child, ignore_errors=True)
 
 
 def concat_rejects(out: Path, part_names: list[str], *, part_rejects: str) -> None:

@@ -29,6 +29,8 @@ def text_file(tmp_path):
         (["--input", "{tmp}/a.txt", "--num_workers", "0"], "--num_workers 0: must be at least 1"),
         (["--input", "{tmp}/a.txt", "--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
         (["--input", "{tmp}/a.txt", "--short_seq_prob", "1.5"], "--short_seq_prob 1.5: must be between 0 and 1"),
+        (["--input", "{tmp}/a.txt", "--eval_share", "1"], "--eval_share 1.0: must be at least 0 and below 1"),
+        (["--input", "{tmp}/a.txt", "--eval_share", "-0.1"], "--eval_share -0.1: must be at least 0 and below 1"),
     ],
 )
 def test_bad_flags_exit_2_naming_them(tmp_path, text_file, capsys, extra, message):
