@@ -25,7 +25,7 @@
 #   TOKENIZER        an HF tokenizer folder to use as is []
 #   TRAIN_TOKENIZER  the builder's --train_tokenizer: train one on the inputs instead [wordpiece, when
 #                    TOKENIZER is unset: the builder needs one of the two and has no default]
-#   VOCAB_SIZE, FORMAT, MAX_SEQ_LEN, SEED, NUM_WORKERS
+#   VOCAB_SIZE, FORMAT, MAX_SEQ_LEN, SEED, EVAL_SHARE, NUM_WORKERS
 #                    the builder's --vocab_size, --format, ...: passed only when set, so the defaults
 #                    are the builder's own (preprocessing/config.py; a dry run prints them resolved)
 #   EXTRA_ARGS       more build_shards.py flags, split on spaces (e.g. --overwrite, --remote URL) []
@@ -61,7 +61,7 @@ DEFAULT_NODES=4
 DEFAULT_CPUS_PER_NODE=32
 : "${INPUTS:=}" "${OUTPUT:=}" "${TOKENIZER:=}" "${TRAIN_TOKENIZER:=}" "${EXTRA_ARGS:=}"
 # The builder's knobs that travel only when set, each as --<its name in lower case>.
-BUILDER_KNOBS=(VOCAB_SIZE FORMAT MAX_SEQ_LEN SEED NUM_WORKERS)
+BUILDER_KNOBS=(VOCAB_SIZE FORMAT MAX_SEQ_LEN SEED EVAL_SHARE NUM_WORKERS)
 : "${PYTHON:=python}" "${RAY_START_TIMEOUT_S:=300}" "${RAY_LOOPBACK:=0}" "${DRY_RUN:=0}"
 : "${LOCAL_DISK:=${SLURM_TMPDIR:-/tmp}}"
 

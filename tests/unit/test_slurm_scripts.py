@@ -213,12 +213,12 @@ def test_build_passes_only_the_knobs_set_and_prints_the_builders_defaults():
     from preprocessing.config import BuildConfig
 
     text = (SLURM / "build_shards_ray.sh").read_text()
-    assert not re.search(r"\$\{(VOCAB_SIZE|FORMAT|MAX_SEQ_LEN|SEED|NUM_WORKERS):=", text)
+    assert not re.search(r"\$\{(VOCAB_SIZE|FORMAT|MAX_SEQ_LEN|SEED|EVAL_SHARE|NUM_WORKERS):=", text)
     r = run_script("build_shards_ray.sh", DRY_RUN="1", NODES="1", INPUTS="en:/d/a.txt", OUTPUT="/o", MAX_SEQ_LEN="256")
     assert r.returncode == 0, r.stderr
     (builder,) = [c for c in r.stdout.splitlines() if c.startswith("+ ") and "build_shards.py" in c]
     assert "--train_tokenizer wordpiece --max_seq_len 256 --ray_address" in builder
-    assert not {"--seed", "--vocab_size", "--format", "--num_workers"} & set(builder.split())
+    assert not {"--seed", "--vocab_size", "--format", "--eval_share", "--num_workers"} & set(builder.split())
     start = r.stdout.index("{", r.stdout.index("resolved configuration"))
     resolved = json.loads(r.stdout[start : r.stdout.rindex("}") + 1])["build"]
     defaults = BuildConfig(inputs=["x"], output="o")
