@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a script: import the repository's packag
     _HERE = Path(__file__).resolve().parent
     sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-from pipeline import cli  # noqa: E402
+from preprocessing import cli  # noqa: E402
 from preprocessing.errors import UsageError  # noqa: E402
 
 

@@ -20,9 +20,9 @@ if __package__ in (None, ""):  # run as a script: import the repository's packag
     _HERE = Path(__file__).resolve().parent
     sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-from pipeline import cli  # noqa: E402
 from pipeline.evaluation.downstream.finetuning import FinetuneConfig, parse_task, run_finetuning  # noqa: E402
 from pipeline.evaluation.models import parse_model, unique_labels  # noqa: E402
+from preprocessing import cli  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,9 +7,9 @@ cloud metadata endpoints) and a reaper that stops its processes when the builder
 `kill -9` (see local_ray.py for both, and for the manual clean-up).
 
 OUTPUT/ after a build is what preprocessing/shard_format.py describes (index.json, part-XXXXX/,
-tokenizer/, build_manifest.json, rejects.jsonl); each part-XXXXX/ also keeps its own index.json,
-part_stats.json and rejects.jsonl (what --resume reuses), and `.build.lock` exists only while a
-build runs (its pid, host and start; see lock.py).
+tokenizer/, build_manifest.json, rejects.jsonl, and eval/ with --eval_share); each part-XXXXX/ also
+keeps its own index.json, part_stats.json and rejects.jsonl (what --resume reuses), and
+`.build.lock` exists only while a build runs (its pid, host and start; see lock.py).
 """
 
 from __future__ import annotations
@@ -19,14 +19,17 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
-from preprocessing.config import OUTPUT_KEYS, BuildConfig, parse_args
+from preprocessing import cli
+from preprocessing.config import BuildConfig, describe_json, math_knobs, parse_args
 from preprocessing.errors import UsageError, note
+from preprocessing.heldout import EVAL, held_out_rule
 from preprocessing.inputs import Chunk, InputFile, auto_chunk_bytes, plan_chunks, resolve_inputs
 from preprocessing.lock import output_lock
 from preprocessing.mds import merge_local_indexes
@@ -45,6 +48,7 @@ from preprocessing.output import (
 from preprocessing.process import PART_REJECTS, PART_STATS, TaskSpec, process_chunk
 from preprocessing.report import aggregate, explain_no_samples, format_summary, versions
 from preprocessing.shard_format import (
+    EVAL_DIR,
     INDEX,
     MANIFEST,
     REJECTS,
@@ -53,7 +57,7 @@ from preprocessing.shard_format import (
     MdsSettings,
     columns_for,
 )
-from preprocessing.tokenization import prepare_tokenizer, training_texts
+from preprocessing.tokenization import TokenizerInfo, prepare_tokenizer, training_texts
 
 MB = 1 << 20
 # Credentials and endpoints the workers need to upload to --remote; Ray workers on other nodes do
@@ -121,26 +125,10 @@ def _build(
     workers: int,
     t0: float,
 ) -> BuildManifest:
-    texts = None
-    if cfg.train_tokenizer:
-
-        def texts():  # the trainer reads the sample twice
-            return training_texts(chunks, text_field=cfg.text_field, budget_bytes=int(cfg.tokenizer_train_mb * MB))
-
-    tok = prepare_tokenizer(
-        tokenizer=cfg.tokenizer,
-        train=cfg.train_tokenizer,
-        vocab_size=cfg.vocab_size,
-        lowercase=cfg.lowercase,
-        out_dir=out / TOKENIZER_DIR,
-        texts=texts,
-        sp_model_type=cfg.sp_model_type,
-    )
-    fp = fingerprint(cfg, files=files, chunk_bytes=chunk_bytes, tokenizer_sha256=tok.sha256, output_keys=OUTPUT_KEYS)
-    done = [c for c in chunks if (out / c.name / PART_STATS).is_file()] if previous else []
-    if previous is not None:
-        check_resumable(previous, fingerprint=fp, out=out)
-        verify_done_parts(out, done, part_stats=PART_STATS)
+    held_out = held_out_rule(seed=cfg.seed, share=cfg.eval_share)
+    tok = _tokenizer(cfg, out=out, chunks=chunks, held_out=held_out)
+    fp = fingerprint(cfg, files=files, chunk_bytes=chunk_bytes, tokenizer_sha256=tok.sha256, knobs=math_knobs())
+    done = _resumable(previous, fingerprint=fp, out=out, chunks=chunks, held_out=held_out is not None)
     manifest = BuildManifest(
         status="running",
         config=_resolved_config(cfg, chunk_bytes),
@@ -149,12 +137,74 @@ def _build(
         versions=versions(),
         inputs=[asdict(f) for f in files],
     )
-    manifest.write(out / MANIFEST)
-
+    _write_running(manifest, out=out, held_out=held_out is not None)
     done_names = {c.name for c in done}
     todo = [c for c in chunks if c.name not in done_names]
     remove_stale(out, keep={c.name for c in chunks}, part_stats=PART_STATS)
-    spec = TaskSpec(
+    tokenizer_json = (out / TOKENIZER_DIR / "tokenizer.json").read_text(encoding="utf-8")
+    spec = _task_spec(cfg, out=out, tok=tok)
+    new_stats = _run_chunks(ray, todo, plan=chunks, spec=spec, tokenizer_json=tokenizer_json, cfg=cfg, workers=workers)
+    part_stats = sorted(
+        [json.loads((out / c.name / PART_STATS).read_text()) for c in done] + new_stats, key=lambda s: s["index"]
+    )
+    concat_rejects(out, [c.name for c in chunks], part_rejects=PART_REJECTS)
+    wall = time.time() - t0
+    counts = aggregate(part_stats, fmt=cfg.format)
+    manifest = dataclasses.replace(
+        manifest,
+        status="complete" if counts.samples else "empty",
+        counts=counts,
+        columns=columns_for(fmt=cfg.format, vocab_size=tok.vocab_size),
+        worker_slots=workers,
+        mds=MdsSettings(),
+        chunks=len(chunks),
+        chunks_resumed=len(done),
+        workers=len({(s["host"], s["pid"]) for s in new_stats}),
+        peak_rss_mb_per_worker=max([s["peak_rss_mb"] for s in new_stats], default=0.0),
+        wall_s=round(wall, 3),
+        mb_per_s=round(counts.input_bytes / 1e6 / max(wall, 1e-9), 3),
+    )
+    _finish(ray, cfg, out=out, manifest=manifest, part_names=[c.name for c in chunks])
+    if not counts.samples:
+        raise UsageError(
+            f"--output {out}: the build wrote no samples: "
+            + explain_no_samples(counts, fmt=cfg.format, max_seq_len=cfg.max_seq_len)
+        )
+    return manifest
+
+
+def _tokenizer(cfg: BuildConfig, *, out: Path, chunks: list[Chunk], held_out) -> TokenizerInfo:
+    """OUTPUT/tokenizer: --tokenizer's, or one trained on a sample of the inputs' documents (the
+    held-out ones left out)."""
+    texts = None
+    if cfg.train_tokenizer:
+        budget = int(cfg.tokenizer_train_mb * MB)
+
+        def texts():  # the trainer reads the sample twice
+            return training_texts(chunks, text_field=cfg.text_field, budget_bytes=budget, held_out=held_out)
+
+    return prepare_tokenizer(
+        tokenizer=cfg.tokenizer,
+        train=cfg.train_tokenizer,
+        vocab_size=cfg.vocab_size,
+        lowercase=cfg.lowercase,
+        out_dir=out / TOKENIZER_DIR,
+        texts=texts,
+        sp_model_type=cfg.sp_model_type,
+    )
+
+
+def _write_running(manifest: BuildManifest, *, out: Path, held_out: bool) -> None:
+    """The manifest of a build under way (status running), in OUTPUT and, with --eval_share, in
+    OUTPUT/eval: neither folder reads as finished until the build ends."""
+    manifest.write(out / MANIFEST)
+    if held_out:
+        (out / EVAL_DIR).mkdir(exist_ok=True)
+        dataclasses.replace(manifest, split=EVAL).write(out / EVAL_DIR / MANIFEST)
+
+
+def _task_spec(cfg: BuildConfig, *, out: Path, tok: TokenizerInfo) -> TaskSpec:
+    return TaskSpec(
         output=str(out),
         remote=cfg.remote,
         fmt=cfg.format,
@@ -168,39 +218,53 @@ def _build(
         cls_id=tok.cls_id,
         sep_id=tok.sep_id,
         vocab_size=tok.vocab_size,
+        eval_share=cfg.eval_share,
     )
-    tokenizer_json = (out / TOKENIZER_DIR / "tokenizer.json").read_text(encoding="utf-8")
 
-    new_stats = _run_chunks(ray, todo, plan=chunks, spec=spec, tokenizer_json=tokenizer_json, cfg=cfg, workers=workers)
-    part_stats = sorted(
-        [json.loads((out / c.name / PART_STATS).read_text()) for c in done] + new_stats, key=lambda s: s["index"]
-    )
-    concat_rejects(out, [c.name for c in chunks], part_rejects=PART_REJECTS)
-    wall = time.time() - t0
-    counts = aggregate(part_stats, fmt=cfg.format)
-    used = {(s["host"], s["pid"]) for s in new_stats}
-    manifest = dataclasses.replace(
-        manifest,
-        status="complete" if counts.samples else "empty",
-        counts=counts,
-        columns=columns_for(fmt=cfg.format, vocab_size=tok.vocab_size),
-        worker_slots=workers,
-        mds=MdsSettings(),
-        chunks=len(chunks),
-        chunks_resumed=len(done),
-        workers=len(used),
-        peak_rss_mb_per_worker=max([s["peak_rss_mb"] for s in new_stats], default=0.0),
-        wall_s=round(wall, 3),
-        mb_per_s=round(counts.input_bytes / 1e6 / max(wall, 1e-9), 3),
-    )
+
+def _resumable(
+    previous: BuildManifest | None, *, fingerprint: dict, out: Path, chunks: list[Chunk], held_out: bool
+) -> list[Chunk]:
+    """The chunks an interrupted build finished, once --resume is found to continue it (same
+    settings, inputs unchanged); none for a new build."""
+    if previous is None:
+        return []
+    check_resumable(previous, fingerprint=fingerprint, out=out, config_cls=BuildConfig)
+    done = [c for c in chunks if _is_done(out, c, held_out=held_out)]
+    verify_done_parts(out, done, part_stats=PART_STATS)
+    return done
+
+
+def _is_done(out: Path, chunk: Chunk, *, held_out: bool) -> bool:
+    """A chunk is finished when its part folder holds part_stats.json (renamed into place last),
+    and, with --eval_share, its held-out part is there too."""
+    if not (out / chunk.name / PART_STATS).is_file():
+        return False
+    return not held_out or (out / EVAL_DIR / chunk.name / INDEX).is_file()
+
+
+def _finish(ray, cfg: BuildConfig, *, out: Path, manifest: BuildManifest, part_names: list[str]) -> None:
+    """The finished build's manifest and merged index; with --eval_share, OUTPUT/eval's too (its
+    own counts, and a copy of the tokenizer, so that it is a shard folder of its own)."""
     manifest.write(out / MANIFEST)
-    _finish_index(ray, out=out, cfg=cfg, part_names=[c.name for c in chunks])
-    if not counts.samples:
-        raise UsageError(
-            f"--output {out}: the build wrote no samples: "
-            + explain_no_samples(counts, fmt=cfg.format, max_seq_len=cfg.max_seq_len)
+    extra = [MANIFEST, REJECTS] + sorted(str(p.relative_to(out)) for p in (out / TOKENIZER_DIR).iterdir())
+    _finish_index(ray, folder=out, remote=cfg.remote, part_names=part_names, extra=extra, cfg=cfg)
+    held = manifest.counts.eval if manifest.counts else None
+    if held is None:
+        return
+    folder = out / EVAL_DIR
+    shutil.copytree(out / TOKENIZER_DIR, folder / TOKENIZER_DIR, dirs_exist_ok=True)
+    record = dataclasses.replace(manifest.tokenizer, path=str(folder / TOKENIZER_DIR))
+    status = "complete" if held.samples else "empty"
+    dataclasses.replace(manifest, split=EVAL, status=status, counts=held, tokenizer=record).write(folder / MANIFEST)
+    extra = [MANIFEST] + sorted(str(p.relative_to(folder)) for p in (folder / TOKENIZER_DIR).iterdir())
+    remote = f"{cfg.remote.rstrip('/')}/{EVAL_DIR}" if cfg.remote else None
+    _finish_index(ray, folder=folder, remote=remote, part_names=part_names, extra=extra, cfg=cfg)
+    if not held.samples:
+        note(
+            f"--eval_share {cfg.eval_share}: no held-out sample was written ({held.documents_written:,} "
+            f"held-out document(s)), so {folder} holds none; raise --eval_share"
         )
-    return manifest
 
 
 def _resolved_config(cfg: BuildConfig, chunk_bytes: int) -> dict:
@@ -330,30 +394,31 @@ def merge_part_indexes(output: str, *, remote: str, part_names: list[str], extra
     return len(json.loads((out / INDEX).read_text())["shards"])
 
 
-def _finish_index(ray, *, out: Path, cfg: BuildConfig, part_names: list[str]) -> None:
-    """The root index.json. Local output: merged here, without streaming. Remote output: by
-    merge_part_indexes in a Ray worker on this node, which has already paid the seconds it takes
-    to import streaming (for the uploader); the driver has not."""
+def _finish_index(ray, *, folder: Path, remote: str | None, part_names: list[str], extra: list[str], cfg) -> None:
+    """FOLDER/index.json over its part folders (OUTPUT's, or OUTPUT/eval's). Local output: merged
+    here, without streaming. Remote output: by merge_part_indexes in a Ray worker on this node,
+    which has already paid the seconds it takes to import streaming (for the uploader); the driver
+    has not. It uploads `extra` (paths relative to FOLDER) too."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    if not cfg.remote:
-        merge_local_indexes(str(out), part_names)
+    if not remote:
+        merge_local_indexes(str(folder), part_names)
         return
-
-    extra = [MANIFEST, REJECTS] + sorted(str(p.relative_to(out)) for p in (out / TOKENIZER_DIR).iterdir())
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     task = ray.remote(num_cpus=0)(merge_part_indexes).options(scheduling_strategy=here, **_task_options(cfg))
-    ray.get(task.remote(str(out), remote=cfg.remote, part_names=part_names, extra_files=extra))
+    ray.get(task.remote(str(folder), remote=remote, part_names=part_names, extra_files=extra))
 
 
 # ---- command line -------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     """`python preprocessing/build_shards.py ...`: 0 on success, 2 on bad input or flags."""
-    try:
+
+    def run() -> int:
         cfg = parse_args(argv)
-        manifest = build_shards(cfg)
-    except UsageError as err:
-        print(f"build_shards.py: error: {err}", file=sys.stderr)
-        return 2
-    print(format_summary(manifest))
-    return 0
+        if cfg.print_config:
+            print(describe_json(cfg))
+            return 0
+        print(format_summary(build_shards(cfg)))
+        return 0
+
+    return cli.run(run, prog="build_shards.py")

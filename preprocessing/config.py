@@ -1,53 +1,122 @@
-"""The shard builder's configuration: one typed dataclass, the command line that fills it, and
-its validation (ValueError naming the flag and value; the CLI turns that into exit code 2)."""
+"""The shard builder's configuration: one typed dataclass whose fields are `cli.knob`s (the flags,
+a `--config` file's `build` section, `--print_config` and the `--resume` check all come from them),
+and its validation (UsageError naming the flag and value; the CLI turns that into exit code 2)."""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, field, fields
+import dataclasses
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
 
-from preprocessing import charsets
+from preprocessing import charsets, cli
+from preprocessing.cli import knob
 from preprocessing.errors import UsageError
 from preprocessing.shard_format import FORMATS
 from preprocessing.tokenization import SP_MODEL_TYPES, TRAINABLE
 
+TOKENIZER = "tokenizer (one of)"
+SAMPLES = "samples"
+EXECUTION = "execution"
+
 
 @dataclass
 class BuildConfig:
-    """Everything a build depends on. Fields that change the samples (see `OUTPUT_KEYS`) must
-    match when a build is resumed."""
+    """Everything a build depends on. The knobs marked math (the default) decide which samples a
+    build writes: a resumed build must agree on them (`output.fingerprint`). Those marked
+    math=False may change on --resume; --input, --encoding and --chunk_mb among them because
+    --resume compares what they resolve to (the files, their encodings, chunk_bytes), not their
+    spelling."""
 
-    inputs: list[str]
-    output: str
-    tokenizer: str | None = None
-    train_tokenizer: str | None = None
-    sp_model_type: str | None = None  # --train_tokenizer sentencepiece only (default unigram)
-    vocab_size: int = 30522
-    lowercase: bool = True
-    tokenizer_train_mb: float = 256.0
-    format: str = "nsp"
-    max_seq_len: int = 128
-    short_seq_prob: float = 0.1
-    random_next_prob: float = 0.5
-    seed: int = 12345
-    text_field: str = "text"
-    encodings: list[str] = field(default_factory=list)
-    num_workers: int | None = None
-    ray_address: str | None = None
-    chunk_mb: float | None = None
-    block_mb: float = 4.0
-    resume: bool = False
-    overwrite: bool = False
-    remote: str | None = None
-    progress: bool = True
+    inputs: list[str] = knob(
+        help="text (BERT format), .jsonl, .parquet, a datasets save_to_disk folder, or .gz/.zst text/JSONL; "
+        "repeat for more. The prefix fixes the language, else it is detected per document.",
+        flag="--input",
+        repeat=True,
+        required=True,
+        math=False,
+        default_factory=list,
+        metavar="[en:|zh:]PATH_OR_GLOB",
+    )
+    output: Optional[str] = knob(None, "the shard folder to write", required=True, math=False, metavar="DIR")
+    tokenizer: Optional[str] = knob(
+        None, "an HF tokenizer folder (or hub name)", metavar="DIR_OR_NAME", group=TOKENIZER
+    )
+    train_tokenizer: Optional[str] = knob(
+        None,
+        "train a joint EN+ZH vocabulary on the inputs into OUTPUT/tokenizer: wordpiece (BERT's), unigram (HF "
+        "tokenizers' unigram; both keep every ideograph a token), or sentencepiece (the sentencepiece library; "
+        "keeps its .model file beside the HF tokenizer)",
+        choices=TRAINABLE,
+        group=TOKENIZER,
+    )
+    # Resolved in __post_init__, so a resumed build compares (and the manifest records) the algorithm used.
+    sp_model_type: Optional[str] = knob(
+        None,
+        "the algorithm of --train_tokenizer sentencepiece (default: unigram)",
+        choices=SP_MODEL_TYPES,
+        group=TOKENIZER,
+    )
+    vocab_size: int = knob(30522, "the size of a trained vocabulary", group=TOKENIZER)
+    lowercase: bool = knob(
+        True, "keep case when training a tokenizer (default: lower-case)", flag="--cased", invert=True, group=TOKENIZER
+    )
+    tokenizer_train_mb: float = knob(
+        256.0, "text sampled across all inputs to train the tokenizer (MB)", group=TOKENIZER
+    )
+    format: str = knob(
+        "nsp", "nsp: [CLS] A [SEP] B [SEP] pairs (TaCL); packed: full blocks (TACO)", choices=FORMATS, group=SAMPLES
+    )
+    max_seq_len: int = knob(128, "tokens per sample, [CLS] and [SEP]s included", group=SAMPLES)
+    short_seq_prob: float = knob(0.1, "nsp: the share of pairs made shorter than max_seq_len", group=SAMPLES)
+    random_next_prob: float = knob(0.5, "nsp: the share of pairs whose B is another document's", group=SAMPLES)
+    seed: int = knob(12345, "the seed of the nsp pairs and of the held-out documents", group=SAMPLES)
+    eval_share: float = knob(
+        0.0,
+        "hold out this share of the documents, in every language, for evaluation: their samples go to "
+        "OUTPUT/eval (a shard folder of its own), never to training. A document is held out when a hash "
+        "of --seed and its text falls in that share of the hash range, so the choice does not depend on "
+        "the workers, the chunks or the order of the inputs",
+        group=SAMPLES,
+    )
+    text_field: str = knob("text", "JSONL/Parquet/datasets column holding the text", group=SAMPLES)
+    encodings: list[str] = knob(
+        help="read text/JSONL inputs in this encoding (default utf-8): ENCODING for all of them, GLOB=ENCODING "
+        "for those whose path or file name matches GLOB; repeatable, the last match wins "
+        "(e.g. --encoding '*.gbk.txt=gb18030')",
+        flag="--encoding",
+        repeat=True,
+        math=False,
+        default_factory=list,
+        metavar="[GLOB=]ENCODING",
+        group=SAMPLES,
+    )
+    num_workers: Optional[int] = knob(
+        None, "parallel Ray tasks (default, and at most: every CPU Ray sees)", math=False, group=EXECUTION
+    )
+    ray_address: Optional[str] = knob(
+        None, "join a running cluster ('auto' or HOST:PORT); default: start Ray here", math=False, group=EXECUTION
+    )
+    chunk_mb: Optional[float] = knob(
+        None, "input MB per task (default: total/64, between 1 and 64)", math=False, group=EXECUTION
+    )
+    block_mb: float = knob(4.0, "text MB processed at once inside a task; NSP draws random B from it", group=EXECUTION)
+    resume: bool = knob(False, "finish an interrupted build in OUTPUT", math=False, group=EXECUTION)
+    overwrite: bool = knob(False, "replace a previous build in OUTPUT", math=False, group=EXECUTION)
+    remote: Optional[str] = knob(
+        None, "also upload shards as they are written (s3://, gs://, ...)", metavar="URL", group=EXECUTION
+    )
+    progress: bool = knob(True, "no progress bar", flag="--no_progress", invert=True, math=False, group=EXECUTION)
+    print_config: bool = False  # --print_config: print the resolved configuration and exit (not a knob)
 
     def __post_init__(self) -> None:
-        # Resolved here, so a resumed build compares (and the manifest records) the algorithm used.
         if self.train_tokenizer == "sentencepiece" and self.sp_model_type is None:
             self.sp_model_type = "unigram"
 
     def validate(self) -> None:
-        """Raise ValueError naming the offending flag and value."""
+        """Raise UsageError naming the offending flag and value."""
         if not self.inputs:
             raise UsageError("--input: give at least one input path or glob")
         if not self.output:
@@ -76,6 +145,16 @@ class BuildConfig:
         for name in ("short_seq_prob", "random_next_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise UsageError(f"--{name} {getattr(self, name)}: must be between 0 and 1")
+        if not 0.0 <= self.eval_share < 1.0:
+            raise UsageError(
+                f"--eval_share {self.eval_share}: must be at least 0 and below 1 (a share of the documents)"
+            )
+        self._validate_execution()
+        if not self.text_field:
+            raise UsageError("--text_field: must not be empty")
+        charsets.parse_rules(self.encodings)
+
+    def _validate_execution(self) -> None:
         if self.num_workers is not None and self.num_workers < 1:
             raise UsageError(f"--num_workers {self.num_workers}: must be at least 1")
         if self.chunk_mb is not None and self.chunk_mb <= 0:
@@ -86,134 +165,61 @@ class BuildConfig:
             raise UsageError(f"--tokenizer_train_mb {self.tokenizer_train_mb}: must be positive")
         if self.resume and self.overwrite:
             raise UsageError("--resume and --overwrite exclude each other")
-        if not self.text_field:
-            raise UsageError("--text_field: must not be empty")
-        charsets.parse_rules(self.encodings)
 
     def encoding_rules(self) -> list[tuple[str | None, str]]:
         return charsets.parse_rules(self.encodings)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def to_dict(self) -> dict[str, Any]:
+        """The knobs and their values (what the manifest records and --print_config prints)."""
+        return {f.name: getattr(self, f.name) for f in cli.knob_fields(BuildConfig)}
 
 
-# The fields that decide which samples a build writes; a resumed build must agree on them.
-OUTPUT_KEYS = (
-    "format",
-    "max_seq_len",
-    "short_seq_prob",
-    "random_next_prob",
-    "seed",
-    "text_field",
-    "block_mb",
-    "remote",
-    "train_tokenizer",
-    "sp_model_type",
-    "vocab_size",
-    "lowercase",
-    "tokenizer_train_mb",
-)
+SECTION = "build"
+"""A --config file's section of builder knobs (`{"build": {"max_seq_len": 256, ...}}`)."""
+
+
+def math_knobs() -> list[str]:
+    """The knobs whose values decide the samples (marked math): what --resume compares."""
+    return [f.name for f in cli.knob_fields(BuildConfig) if f.metadata["math"]]
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="build_shards.py",
-        description="Turn English/Chinese corpora into MDS shards for BERT pre-training (Ray-parallel).",
+        description="Turn English/Chinese corpora into MDS shards for BERT pre-training (Ray-parallel). Flags "
+        "override a --config file, which overrides the defaults shown.",
     )
     p.add_argument(
-        "--input",
-        dest="inputs",
-        action="append",
-        required=True,
-        metavar="[en:|zh:]PATH_OR_GLOB",
-        help="text (BERT format), .jsonl, .parquet, a datasets save_to_disk folder, or "
-        ".gz/.zst text/JSONL; repeat for more. The prefix fixes the language, "
-        "else it is detected per document.",
+        "--config",
+        metavar="FILE",
+        help=f"JSON or YAML file with a section {SECTION!r} of the flags below (without their dashes); "
+        "flags given here override it",
     )
-    p.add_argument("--output", required=True, metavar="DIR")
-    tok = p.add_argument_group("tokenizer (one of)")
-    tok.add_argument("--tokenizer", metavar="DIR_OR_NAME", help="an HF tokenizer folder (or hub name)")
-    tok.add_argument(
-        "--train_tokenizer",
-        choices=TRAINABLE,
-        help="train a joint EN+ZH vocabulary on the inputs into OUTPUT/tokenizer: "
-        "wordpiece (BERT's), unigram (HF tokenizers' unigram; both keep every "
-        "ideograph a token), or sentencepiece (the sentencepiece library; keeps "
-        "its .model file beside the HF tokenizer)",
-    )
-    tok.add_argument(
-        "--sp_model_type",
-        choices=SP_MODEL_TYPES,
-        default=None,
-        help="the algorithm of --train_tokenizer sentencepiece (default: unigram)",
-    )
-    tok.add_argument("--vocab_size", type=int, default=BuildConfig.vocab_size)
-    tok.add_argument(
-        "--cased",
-        dest="lowercase",
-        action="store_false",
-        help="keep case when training a tokenizer (default: lower-case)",
-    )
-    tok.add_argument(
-        "--tokenizer_train_mb",
-        type=float,
-        default=BuildConfig.tokenizer_train_mb,
-        help="text sampled across all inputs to train the tokenizer (MB)",
-    )
-    s = p.add_argument_group("samples")
-    s.add_argument(
-        "--format",
-        choices=FORMATS,
-        default=BuildConfig.format,
-        help="nsp: [CLS] A [SEP] B [SEP] pairs (TaCL); packed: full blocks (TACO)",
-    )
-    s.add_argument("--max_seq_len", type=int, default=BuildConfig.max_seq_len)
-    s.add_argument("--short_seq_prob", type=float, default=BuildConfig.short_seq_prob)
-    s.add_argument("--random_next_prob", type=float, default=BuildConfig.random_next_prob)
-    s.add_argument("--seed", type=int, default=BuildConfig.seed)
-    s.add_argument(
-        "--text_field", default=BuildConfig.text_field, help="JSONL/Parquet/datasets column holding the text"
-    )
-    s.add_argument(
-        "--encoding",
-        dest="encodings",
-        action="append",
-        default=[],
-        metavar="[GLOB=]ENCODING",
-        help="read text/JSONL inputs in this encoding (default utf-8): ENCODING for all of "
-        "them, GLOB=ENCODING for those whose path or file name matches GLOB; repeatable, "
-        "the last match wins (e.g. --encoding '*.gbk.txt=gb18030')",
-    )
-    r = p.add_argument_group("execution")
-    r.add_argument(
-        "--num_workers", type=int, default=None, help="parallel Ray tasks (default, and at most: every CPU Ray sees)"
-    )
-    r.add_argument(
-        "--ray_address", default=None, help="join a running cluster ('auto' or HOST:PORT); default: start Ray here"
-    )
-    r.add_argument(
-        "--chunk_mb", type=float, default=None, help="input MB per task (default: total/64, between 1 and 64)"
-    )
-    r.add_argument(
-        "--block_mb",
-        type=float,
-        default=BuildConfig.block_mb,
-        help="text MB processed at once inside a task; NSP draws random B from it",
-    )
-    r.add_argument("--resume", action="store_true", help="finish an interrupted build in OUTPUT")
-    r.add_argument("--overwrite", action="store_true", help="replace a previous build in OUTPUT")
-    r.add_argument(
-        "--remote", default=None, metavar="URL", help="also upload shards as they are written (s3://, gs://, ...)"
-    )
-    r.add_argument("--no_progress", dest="progress", action="store_false")
+    p.add_argument("--print_config", action="store_true", help="print the resolved configuration as JSON and exit")
+    cli.add_arguments(p, BuildConfig)
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> BuildConfig:
-    """Parse and validate the command line; argparse exits 2 on malformed flags, validation
-    raises ValueError."""
-    ns = build_parser().parse_args(argv)
-    names = {f.name for f in fields(BuildConfig)}
-    cfg = BuildConfig(**{k: v for k, v in vars(ns).items() if k in names})
+def parse_args(argv: Optional[Sequence[str]] = None) -> BuildConfig:
+    """Defaults, then a --config file, then the flags typed; validated. argparse exits 2 on malformed
+    flags and on --input/--output missing from both; validation raises UsageError."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    file_values = cli.load_config_file(ns.config) if ns.config else {}
+    parts = cli.merge_sections(
+        {SECTION: BuildConfig},
+        file_values=file_values,
+        cli_values={SECTION: cli.set_values(ns, BuildConfig)},
+        source=f"--config {ns.config}",
+    )
+    missing = cli.missing_required(parts)
+    if missing:
+        parser.error(f"the following arguments are required: {', '.join(missing)} (as flags or in a --config file)")
+    cfg = dataclasses.replace(parts[SECTION], print_config=ns.print_config)
     cfg.validate()
     return cfg
+
+
+def describe_json(cfg: BuildConfig) -> str:
+    """The resolved configuration, as --print_config shows it (replayable with --config)."""
+    return json.dumps({SECTION: cfg.to_dict()}, indent=2)

@@ -4,9 +4,10 @@ and modification time, and a digest of the bytes every finished part was made fr
 
 OUTPUT is ours when it is empty, or holds a previous build: a build_manifest.json beside nothing but
 what the builder writes (index.json, part-XXXXX/ folders of shard files, tokenizer/, rejects.jsonl,
-their temporary forms), or only what a build writes before its manifest (tokenizer/, its temporary
-copy, the manifest's temporary file), which is what a build killed while preparing its tokenizer
-leaves. Anything else is the user's: --overwrite then refuses, naming it, and deletes nothing.
+their temporary forms, and eval/ holding the same kinds of things), or only what a build writes
+before its manifest (tokenizer/, its temporary copy, the manifest's temporary file), which is what a
+build killed while preparing its tokenizer leaves. Anything else is the user's: --overwrite then
+refuses, naming it, and deletes nothing.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import shutil
 import time
 from pathlib import Path
 
+from preprocessing import cli
 from preprocessing.errors import UsageError, note
 from preprocessing.lock import LOCK_NAME
-from preprocessing.shard_format import INDEX, MANIFEST, REJECTS, TOKENIZER_DIR, BuildManifest
+from preprocessing.shard_format import EVAL_DIR, INDEX, MANIFEST, REJECTS, TOKENIZER_DIR, BuildManifest
 
 EARLY_ARTEFACTS = frozenset({TOKENIZER_DIR, TOKENIZER_DIR + ".tmp", MANIFEST + ".tmp"})
 """What a build writes before its first manifest."""
@@ -94,20 +96,25 @@ def prepare_output(out: Path, *, overwrite: bool, resume: bool) -> BuildManifest
     )
 
 
-def _foreign(entries: list[Path]) -> list[str]:
-    """The entries (and part-folder files) that the builder does not write, as paths relative to OUTPUT."""
+def _foreign(entries: list[Path], *, inside: str = "") -> list[str]:
+    """The entries (and part-folder files) that the builder does not write, as paths relative to
+    OUTPUT; in OUTPUT/eval (the held-out split, `inside` "eval/") the same kinds of entries."""
     out = []
     for child in entries:
         if child.is_symlink():
-            out.append(child.name)
+            out.append(inside + child.name)
         elif child.is_dir() and _PART_DIR.fullmatch(child.name):
             out += [
-                f"{child.name}/{f.name}" for f in child.iterdir() if not (f.is_file() and _PART_FILE.fullmatch(f.name))
+                f"{inside}{child.name}/{f.name}"
+                for f in child.iterdir()
+                if not (f.is_file() and _PART_FILE.fullmatch(f.name))
             ]
+        elif child.is_dir() and child.name == EVAL_DIR and not inside:
+            out += _foreign(list(child.iterdir()), inside=f"{EVAL_DIR}/")
         elif not (child.name in _BUILD_DIRS and child.is_dir()) and not (
             child.name in _BUILD_FILES and child.is_file()
         ):
-            out.append(child.name + ("/" if child.is_dir() else ""))
+            out.append(inside + child.name + ("/" if child.is_dir() else ""))
     return sorted(out)
 
 
@@ -165,16 +172,16 @@ def _size(n: float) -> str:
 
 
 # ---- resume -------------------------------------------------------------------------------------
-def fingerprint(cfg, *, files: list, chunk_bytes: int, tokenizer_sha256: str, output_keys: tuple) -> dict:
-    """Everything the samples depend on (not --num_workers): what --resume compares. input_state
-    (size and modification time per file) catches an input edited in place at the same size."""
+def fingerprint(cfg, *, files: list, chunk_bytes: int, tokenizer_sha256: str, knobs: list[str]) -> dict:
+    """Everything the samples depend on (not --num_workers): what --resume compares. `knobs`: the
+    config's math knobs, by value; the inputs, their encodings and the chunk size as resolved;
+    input_state (size and modification time per file) catches an input edited in place at the same size."""
     return {
         "inputs": [[f.path, f.lang, f.encoding] for f in files],
         "input_state": [[f.path, f.size, f.mtime_ns] for f in files],
         "chunk_bytes": chunk_bytes,
-        "tokenizer": cfg.tokenizer,
         "tokenizer_sha256": tokenizer_sha256,
-        **{k: getattr(cfg, k) for k in output_keys},
+        **{k: getattr(cfg, k) for k in knobs},
     }
 
 
@@ -182,9 +189,10 @@ def _when(mtime_ns: int) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime_ns / 1e9)) + f".{mtime_ns % 10**9:09d}"
 
 
-def check_resumable(previous: BuildManifest, *, fingerprint: dict, out: Path) -> None:
+def check_resumable(previous: BuildManifest, *, fingerprint: dict, out: Path, config_cls: type) -> None:
     """Refuse --resume when the settings or the inputs differ from the interrupted build's, naming
-    each changed setting or file."""
+    each changed setting or file. The knobs are compared as `cli.math_changes` compares a resumed
+    run's (a knob the earlier build did not know yet ran with its default)."""
     before = previous.fingerprint
     if "input_state" not in before:
         raise UsageError(
@@ -200,13 +208,16 @@ def check_resumable(previous: BuildManifest, *, fingerprint: dict, out: Path) ->
                 f"modified {_when(mtime0)} -> {_when(mtime)}); its finished parts hold the old text, so "
                 f"rebuild with --overwrite (if only its time changed: touch -d @{mtime0 / 1e9:.9f} {path})"
             )
-    keys = set(before) | set(fingerprint)
-    differ = sorted(k for k in keys - {"input_state"} if before.get(k) != fingerprint.get(k))
-    if differ:
+    knobs = cli.math_changes({"build": before}, {"build": fingerprint}, {"build": config_cls})
+    changed = {name.split(".", 1)[1]: values for name, values in knobs.items()}
+    facts = (set(before) | set(fingerprint)) - {f.name for f in cli.knob_fields(config_cls)} - {"input_state"}
+    changed.update({k: (before.get(k), fingerprint.get(k)) for k in facts if before.get(k) != fingerprint.get(k)})
+    if changed:
+        differ = sorted(changed)
         raise UsageError(
             f"--resume: {out} was built with different {', '.join(differ)} "
-            f"(before: {[before.get(k) for k in differ]}, now: "
-            f"{[fingerprint.get(k) for k in differ]}); rerun with the same settings "
+            f"(before: {[changed[k][0] for k in differ]}, now: "
+            f"{[changed[k][1] for k in differ]}); rerun with the same settings "
             "or use --overwrite"
         )
 
@@ -237,13 +248,20 @@ def verify_done_parts(out: Path, done: list, *, part_stats: str) -> None:
 
 
 def remove_stale(out: Path, *, keep: set[str], part_stats: str) -> None:
-    """Drop temporary folders of interrupted tasks and parts that are not in this plan."""
+    """Drop temporary folders of interrupted tasks and parts that are not in this plan, in OUTPUT
+    and OUTPUT/eval. (An interrupted chunk's finished held-out part is replaced when it is redone.)"""
     for child in out.iterdir():
         # Only the builder's own part folders (by their exact name pattern); a user's part-notes/ stays.
         if not (child.is_dir() and not child.is_symlink() and _PART_DIR.fullmatch(child.name)):
             continue
         if child.name.startswith(".tmp-") or child.name not in keep or not (child / part_stats).is_file():
             shutil.rmtree(child, ignore_errors=True)
+    held_out = out / EVAL_DIR
+    if held_out.is_dir() and not held_out.is_symlink():
+        for child in held_out.iterdir():
+            if child.is_dir() and not child.is_symlink() and _PART_DIR.fullmatch(child.name):
+                if child.name.startswith(".tmp-") or child.name not in keep:
+                    shutil.rmtree(child, ignore_errors=True)
 
 
 def concat_rejects(out: Path, part_names: list[str], *, part_rejects: str) -> None:

@@ -1,11 +1,15 @@
-"""One chunk -> one MDS part folder: read, clean, split, tokenise, make samples, write.
+"""One chunk -> one MDS part folder: read, clean, split, tokenise, make samples, write. With
+--eval_share, also OUTPUT/eval/part-XXXXX: the samples of the chunk's held-out documents
+(heldout.py), made apart from the others (their own blocks, NSP partners and packed stream), so
+that no training sample holds a held-out document's text.
 
 Runs inside a Ray task (or in-process). Refuses an input that changed since the build planned it,
 and records a digest of the input bytes the part was made from (what --resume re-checks). Works
 block by block (~block_mb of text), so memory
 depends on the block size, not on the chunk or the corpus. Writes into a temporary folder and
-renames it to OUTPUT/part-XXXXX when complete, so a part folder is always whole. Returns the
-chunk's counts, never data.
+renames it to OUTPUT/part-XXXXX when complete (after the held-out part, if any), so a part folder
+is always whole and a chunk whose part_stats.json exists is finished. Returns the chunk's counts,
+never data.
 """
 
 from __future__ import annotations
@@ -21,18 +25,21 @@ import socket
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Optional
 
 import numpy as np
 
 from preprocessing.errors import UsageError
+from preprocessing.heldout import EVAL, TRAIN, held_out_rule
 from preprocessing.inputs import Chunk, check_unchanged, digest, reading
 from preprocessing.mds import LocalMDSWriter, make_fast_writer_class
 from preprocessing.readers import ChunkReader
 from preprocessing.samples import Packer, TokenizedDocs, assemble_nsp, concat_docs, nsp_instances
-from preprocessing.shard_format import COMPRESSION, HASHES, REJECTS, SIZE_LIMIT, columns_for, id_dtype_for
+from preprocessing.shard_format import COMPRESSION, EVAL_DIR, HASHES, REJECTS, SIZE_LIMIT, columns_for, id_dtype_for
 from preprocessing.text import clean_text, detect_language, split_sentences
 from preprocessing.tokenization import SentenceEncoder
 from preprocessing.words import word_starts
@@ -66,6 +73,7 @@ class TaskSpec:
     cls_id: int
     sep_id: int
     vocab_size: int
+    eval_share: float = 0.0
 
 
 @dataclass
@@ -90,26 +98,88 @@ def _encoder(sha: str, tokenizer_json: str) -> SentenceEncoder:
     return _ENCODERS[sha]
 
 
-def block_seed(seed: int, *, chunk_index: int, block_index: int) -> int:
+def block_seed(seed: int, *, chunk_index: int, block_index: int, split: str = TRAIN) -> int:
     """The NSP random stream of one block: a function of --seed and the block's identity only."""
-    digest = hashlib.sha256(f"{seed}:{chunk_index}:{block_index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little")
+    name = f"{seed}:{chunk_index}:{block_index}" if split == TRAIN else f"{seed}:{chunk_index}:{split}:{block_index}"
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
 
 
 def process_chunk(chunk: Chunk, *, spec: TaskSpec, tokenizer_json: str, plan: list[Chunk] | None = None) -> dict:
-    """Build OUTPUT/part-XXXXX for `chunk`; return its stats (also saved as part_stats.json).
-    `plan` is every chunk of the build, indexed by Chunk.index (NSP donors come from it)."""
+    """Build OUTPUT/part-XXXXX (and OUTPUT/eval/part-XXXXX with --eval_share) for `chunk`; return
+    its stats (also saved as part_stats.json). `plan` is every chunk of the build, indexed by
+    Chunk.index (NSP donors come from it)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one task = one core; Ray runs the others
     t0, c0 = time.time(), time.process_time()
     check_unchanged(chunk.file)
     encoder = _encoder(spec.tokenizer_sha256, tokenizer_json)
-    out = Path(spec.output)
-    tmp = out / f".tmp-{chunk.name}-{uuid.uuid4().hex[:8]}"
-    remote = f"{spec.remote.rstrip('/')}/{chunk.name}" if spec.remote else None
     reader = ChunkReader(chunk, text_field=spec.text_field)
     state = _State()
+    held_out = held_out_rule(seed=spec.seed, share=spec.eval_share)
+    opened = dict(chunk=chunk, spec=spec, encoder=encoder, plan=plan or [chunk], held_out=held_out)
+    splits = {TRAIN: _open_split(TRAIN, counts=state.counts, **opened)}
+    if held_out is not None:
+        splits[EVAL] = _open_split(EVAL, counts=Counter(), **opened)
+    with ExitStack() as writers:
+        for split in splits.values():
+            writers.enter_context(split.writer)
+        for name, block in _blocks(reader, spec=spec, state=state, held_out=held_out):
+            _write_block(splits[name], block, chunk=chunk, spec=spec, encoder=encoder, reader=reader, state=state)
+        for split in splits.values():
+            _drop_tail(split, state=state)
+    lo, hi = reader.span or (0, chunk.file.size)
+    with reading(chunk.file):
+        source = {"span": [lo, hi], "xxh64": digest(chunk.file.path, lo, hi)}
+    check_unchanged(chunk.file)  # the digest must describe the bytes the samples came from
+    stats = {
+        "chunk": chunk.name,
+        "index": chunk.index,
+        "file": chunk.file.path,
+        "start": chunk.start,
+        "end": chunk.end,
+        "source": source,
+        "counts": {**_finish_counts(reader, state), **_written(splits[TRAIN].writer), "input_bytes": chunk.nbytes},
+        "wall_s": round(time.time() - t0, 3),
+        "cpu_s": round(time.process_time() - c0, 3),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+    }
+    if EVAL in splits:
+        stats[EVAL] = {**splits[EVAL].counts, **_written(splits[EVAL].writer)}
+    _commit(splits, stats=stats, rejects=reader.rejects)
+    return stats
+
+
+@dataclass
+class _Split:
+    """One output of a chunk: its training part (OUTPUT/part-XXXXX) or its held-out one
+    (OUTPUT/eval/part-XXXXX), written into `tmp` and renamed to `final` when whole."""
+
+    name: str  # TRAIN | EVAL
+    tmp: Path
+    final: Path
+    writer: Any  # LocalMDSWriter, or streaming's MDSWriter for --remote
+    packer: Optional[Packer]
+    donors: _Donors
+    counts: Counter  # what this split made (the training split's are the chunk's _State counts)
+    blocks: int = 0  # blocks seen so far: the index of the next block's NSP random stream
+
+
+def _open_split(
+    name: str,
+    *,
+    chunk: Chunk,
+    spec: TaskSpec,
+    encoder: SentenceEncoder,
+    plan: list[Chunk],
+    held_out: Optional[Callable[[list[str]], bool]],
+    counts: Counter,
+) -> _Split:
+    out = Path(spec.output) / EVAL_DIR if name == EVAL else Path(spec.output)
+    tmp = out / f".tmp-{chunk.name}-{uuid.uuid4().hex[:8]}"
     columns = columns_for(fmt=spec.fmt, vocab_size=spec.vocab_size)
-    if remote:  # streaming's own writer and uploader
+    if spec.remote:  # streaming's own writer and uploader
+        remote = spec.remote.rstrip("/") + (f"/{EVAL_DIR}" if name == EVAL else "") + f"/{chunk.name}"
         writer = make_fast_writer_class()(
             out=(str(tmp), remote),
             keep_local=True,
@@ -120,69 +190,69 @@ def process_chunk(chunk: Chunk, *, spec: TaskSpec, tokenizer_json: str, plan: li
         )
     else:
         writer = LocalMDSWriter(out=str(tmp), columns=columns)
-    with writer:
-        packer = (
-            Packer(
-                max_seq_len=spec.max_seq_len,
-                cls_id=spec.cls_id,
-                sep_id=spec.sep_id,
-                dtype=id_dtype_for(spec.vocab_size),
-            )
-            if spec.fmt == "packed"
-            else None
-        )
-        donors = _Donors(chunk, plan=plan or [chunk], spec=spec, encoder=encoder)
-        for block_index, block in enumerate(_blocks(reader, spec=spec, state=state)):
-            docs = _tokenize(block, encoder=encoder, reader=reader, state=state, id_base=_id_base(chunk))
-            if docs.num_docs == 0:
-                continue
-            if packer is not None:
-                _write_packed(writer, docs, packer=packer, counts=state.counts)
-            else:
-                rng = random.Random(block_seed(spec.seed, chunk_index=chunk.index, block_index=block_index))
-                if len(np.unique(docs.doc_ids)) < 2:  # no other document to draw a random B from
-                    docs = dataclasses.replace(
-                        concat_docs([docs, donors(set(docs.doc_ids.tolist()))]), num_a_docs=docs.num_docs
-                    )
-                    state.counts["nsp_blocks_with_donors"] += 1
-                _write_nsp(writer, docs, spec=spec, rng=rng, counts=state.counts)
-        if packer is not None:
-            tail_tokens, tail_docs = packer.tail()
-            state.counts["tokens_dropped_tail"] += tail_tokens
-            state.counts["skipped_packed_tail"] += tail_docs
-            state.docs_with_tokens -= tail_docs
-    lo, hi = reader.span or (0, chunk.file.size)
-    with reading(chunk.file):
-        source = {"span": [lo, hi], "xxh64": digest(chunk.file.path, lo, hi)}
-    check_unchanged(chunk.file)  # the digest must describe the bytes the samples came from
+    packer = None
+    if spec.fmt == "packed":
+        dtype = id_dtype_for(spec.vocab_size)
+        packer = Packer(max_seq_len=spec.max_seq_len, cls_id=spec.cls_id, sep_id=spec.sep_id, dtype=dtype)
+    donors = _Donors(chunk, plan=plan, spec=spec, encoder=encoder, split=name, held_out=held_out)
+    return _Split(name, tmp, out / chunk.name, writer, packer, donors, counts)
+
+
+def _write_block(
+    split: _Split,
+    block: list[_Entry],
+    *,
+    chunk: Chunk,
+    spec: TaskSpec,
+    encoder: SentenceEncoder,
+    reader: ChunkReader,
+    state: _State,
+) -> None:
+    """Tokenise one block of the split's documents and write its samples."""
+    block_index, split.blocks = split.blocks, split.blocks + 1
+    docs = _tokenize(block, encoder=encoder, reader=reader, state=state, id_base=_id_base(chunk), counts=split.counts)
+    if docs.num_docs == 0:
+        return
+    if split.packer is not None:
+        _write_packed(split.writer, docs, packer=split.packer, counts=split.counts)
+        return
+    rng = random.Random(block_seed(spec.seed, chunk_index=chunk.index, block_index=block_index, split=split.name))
+    if len(np.unique(docs.doc_ids)) < 2:  # no other document to draw a random B from
+        donors = split.donors(set(docs.doc_ids.tolist()))
+        docs = dataclasses.replace(concat_docs([docs, donors]), num_a_docs=docs.num_docs)
+        split.counts["nsp_blocks_with_donors"] += 1
+    _write_nsp(split.writer, docs, spec=spec, rng=rng, counts=split.counts)
+
+
+def _drop_tail(split: _Split, *, state: _State) -> None:
+    """The end of a packed stream: the tokens short of a block are dropped, and the documents none
+    of whose tokens made a block are skipped (packed_tail)."""
+    if split.packer is None:
+        return
+    tail_tokens, tail_docs = split.packer.tail()
+    split.counts["tokens_dropped_tail"] += tail_tokens
+    split.counts["documents"] -= tail_docs
+    state.counts["skipped_packed_tail"] += tail_docs
+    state.docs_with_tokens -= tail_docs
+
+
+def _written(writer) -> dict[str, int]:
     shards = writer.shards
-    counts = _finish_counts(reader, state)
-    counts["shards"] = len(shards)
-    counts["bytes"] = sum((s.get("zip_data") or s["raw_data"])["bytes"] for s in shards)
-    counts["input_bytes"] = chunk.nbytes
-    stats = {
-        "chunk": chunk.name,
-        "index": chunk.index,
-        "file": chunk.file.path,
-        "start": chunk.start,
-        "end": chunk.end,
-        "source": source,
-        "counts": dict(counts),
-        "wall_s": round(time.time() - t0, 3),
-        "cpu_s": round(time.process_time() - c0, 3),
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-    }
-    with open(tmp / PART_REJECTS, "w") as f:
-        for entry in reader.rejects:
+    return {"shards": len(shards), "bytes": sum((s.get("zip_data") or s["raw_data"])["bytes"] for s in shards)}
+
+
+def _commit(splits: dict[str, _Split], *, stats: dict, rejects: list[dict]) -> None:
+    """Rename the finished part folders into place: the held-out one first, then the training one,
+    whose part_stats.json marks the chunk done (--resume)."""
+    train = splits[TRAIN]
+    with open(train.tmp / PART_REJECTS, "w") as f:
+        for entry in rejects:
             f.write(json.dumps(entry, ensure_ascii=False) + "\n")
-    (tmp / PART_STATS).write_text(json.dumps(stats, indent=1))
-    final = out / chunk.name
-    if final.exists():  # a retried task whose first attempt got this far: same content
-        shutil.rmtree(final)
-    tmp.rename(final)
-    return stats
+    (train.tmp / PART_STATS).write_text(json.dumps(stats, indent=1))
+    for split in sorted(splits.values(), key=lambda s: s.name == TRAIN):
+        if split.final.exists():  # a retried task whose first attempt got this far: same content
+            shutil.rmtree(split.final)
+        split.tmp.rename(split.final)
 
 
 def _write_packed(writer, docs: TokenizedDocs, *, packer: Packer, counts: Counter) -> None:
@@ -230,15 +300,28 @@ class _State:
         self.split_docs: set[int] = set()
 
 
-def _blocks(reader: ChunkReader, *, spec: TaskSpec, state: _State) -> Iterator[list[_Entry]]:
+def _blocks(
+    reader: ChunkReader,
+    *,
+    spec: TaskSpec,
+    state: _State,
+    held_out: Optional[Callable[[list[str]], bool]] = None,
+    only: Optional[str] = None,
+) -> Iterator[tuple[str, list[_Entry]]]:
     """Clean, detect language, split sentences; group documents into blocks of about
-    spec.block_chars characters. A longer document is cut into parts at sentence boundaries."""
+    spec.block_chars characters, one stream per split: (TRAIN, block), or (EVAL, block) of the
+    documents `held_out` picks. A longer document is cut into parts at sentence boundaries. `only`:
+    that split's blocks alone, the other's documents skipped before any work on them."""
     forced = reader.chunk.file.lang
-    block: list[_Entry] = []
-    size, doc_id, lang, has_text = 0, -1, None, False
+    blocks: dict[str, list[_Entry]] = {TRAIN: [], EVAL: []}
+    sizes = {TRAIN: 0, EVAL: 0}
+    doc_id, lang, has_text, split = -1, None, False, TRAIN
     for raw in reader.documents():
         if raw.part == 0:
             doc_id, lang, has_text = doc_id + 1, None, False
+            split = EVAL if held_out is not None and held_out(raw.lines) else TRAIN
+        if only is not None and split != only:
+            continue
         lines = [line for line in map(clean_text, raw.lines) if line]
         if lines:
             lang = lang or forced or detect_language(_head(lines))
@@ -250,15 +333,16 @@ def _blocks(reader: ChunkReader, *, spec: TaskSpec, state: _State) -> Iterator[l
                 state.split_docs.add(doc_id)
             has_text = True
             for part in parts:
-                block.append(_Entry(doc_id, lang, part, raw.line, multipart))
-                size += sum(map(len, part))
-                if size >= spec.block_chars:
-                    yield block
-                    block, size = [], 0
+                blocks[split].append(_Entry(doc_id, lang, part, raw.line, multipart))
+                sizes[split] += sum(map(len, part))
+                if sizes[split] >= spec.block_chars:
+                    yield split, blocks[split]
+                    blocks[split], sizes[split] = [], 0
         if raw.last and not has_text:
             reader.skip("empty", raw.line)
-    if block:
-        yield block
+    for name in (TRAIN, EVAL):
+        if blocks[name]:
+            yield name, blocks[name]
 
 
 def _head(lines: list[str], chars: int = 2000) -> str:
@@ -289,9 +373,9 @@ def _id_base(chunk: Chunk) -> int:
 
 
 def _tokenize(
-    block: list[_Entry], *, encoder: SentenceEncoder, reader: ChunkReader, state: _State, id_base: int
+    block: list[_Entry], *, encoder: SentenceEncoder, reader: ChunkReader, state: _State, id_base: int, counts: Counter
 ) -> TokenizedDocs:
-    """Tokenise a block; drop sentences without tokens and count documents without any."""
+    """Tokenise a block; drop sentences without tokens and count documents without any (into `counts`, the split's)."""
     sentences = [s for e in block for s in e.sentences]
     per_entry = np.array([len(e.sentences) for e in block], dtype=np.int64)
     zh_S = np.repeat(np.array([e.lang == "zh" for e in block], dtype=bool), per_entry)
@@ -317,7 +401,7 @@ def _tokenize(
     keep_S = lengths_S > 0
     kept_per_entry = np.add.reduceat(keep_S.astype(np.int64), np.concatenate([[0], np.cumsum(per_entry)[:-1]]))
 
-    c = state.counts
+    c = counts
     doc_langs, kept_counts, is_new, doc_ids = [], [], [], []
     for entry, kept in zip(block, kept_per_entry):
         if kept == 0:
@@ -331,6 +415,7 @@ def _tokenize(
         if entry.multipart:
             state.split_docs_seen.add(entry.doc_id)
         state.docs_with_tokens += int(new)
+        c["documents"] += int(new)
         is_new.append(new)
     lengths_kept = lengths_S[keep_S]
     c["sentences"] += int(keep_S.sum())
@@ -350,13 +435,26 @@ def _tokenize(
 
 
 class _Donors:
-    """Documents for the random B segments of a block that holds a single document. From the
-    chunks after this one in the plan (wrapping round), found once per task; failing those, the
+    """Documents for the random B segments of a block that holds a single document, of the block's
+    own split (a training sample never holds a held-out document's text, nor the reverse). From
+    the chunks after this one in the plan (wrapping round), found once per task; failing those, the
     other documents of this chunk. Depends on the plan only, so the samples do not depend on the
-    number of workers. Their counts are not this chunk's: they use a throwaway reader and state."""
+    number of workers. Their counts are not this chunk's: they use a throwaway reader and state.
+    Held-out donors are rarer: finding them may read a whole chunk, hashing (not cleaning) the
+    documents it passes over."""
 
-    def __init__(self, chunk: Chunk, *, plan: list[Chunk], spec: TaskSpec, encoder: SentenceEncoder):
+    def __init__(
+        self,
+        chunk: Chunk,
+        *,
+        plan: list[Chunk],
+        spec: TaskSpec,
+        encoder: SentenceEncoder,
+        split: str = TRAIN,
+        held_out: Optional[Callable[[list[str]], bool]] = None,
+    ):
         self.chunk, self.plan, self.encoder = chunk, plan, encoder
+        self.split, self.held_out = split, held_out
         self.spec = dataclasses.replace(spec, block_chars=DONOR_CHARS)
         self._others: TokenizedDocs | None = None
 
@@ -369,6 +467,11 @@ class _Donors:
         own = self._gather([self.chunk], exclude=exclude, every_block=True)
         if own.num_docs:
             return own
+        if self.split == EVAL:
+            raise UsageError(
+                f"--format nsp: {self.chunk.file.where()} holds the only held-out document of the inputs, but "
+                "a random B must come from another held-out document; raise --eval_share or use --format packed"
+            )
         raise UsageError(
             f"--format nsp: {self.chunk.file.where()} holds the only document of the inputs, but "
             "a random B must come from another document; add documents or use --format packed"
@@ -388,9 +491,9 @@ class _Donors:
             if other.file.byte_ranges and a <= other.start and other.end <= b:
                 continue  # inside a long document of an earlier chunk: nothing starts here
             reader = ChunkReader(other, text_field=self.spec.text_field)
-            blocks = _blocks(reader, spec=self.spec, state=_State())
+            blocks = _blocks(reader, spec=self.spec, state=_State(), held_out=self.held_out, only=self.split)
             block = []
-            for found in blocks:
+            for _, found in blocks:
                 block = [e for e in found if _id_base(other) + e.doc_id not in exclude]
                 if block or not every_block:
                     break
@@ -398,7 +501,14 @@ class _Donors:
             if other.file.byte_ranges:
                 no_start[other.file.path] = (other.start, reader.first_document_at)
             if block:
-                part = _tokenize(block, encoder=self.encoder, reader=reader, state=_State(), id_base=_id_base(other))
+                part = _tokenize(
+                    block,
+                    encoder=self.encoder,
+                    reader=reader,
+                    state=_State(),
+                    id_base=_id_base(other),
+                    counts=Counter(),
+                )
                 parts.append(part)
                 docs += part.num_docs
                 chars += sum(sum(map(len, e.sentences)) for e in block)

@@ -33,8 +33,9 @@ def versions() -> dict[str, str]:
 
 
 def aggregate(part_stats: list[dict], *, fmt: str) -> Counts:
-    """Sum the parts' counters into the manifest's counts; checks that every document is accounted
-    for: documents_in == documents_written + sum(documents_skipped)."""
+    """Sum the parts' counters into the manifest's counts, the held-out split's (each part's
+    "eval") into counts.eval; checks that every document is accounted for:
+    documents_in == documents_written + sum(documents_skipped), held-out documents among the written."""
     total: Counter = Counter()
     for stats in part_stats:
         total.update(stats["counts"])
@@ -44,11 +45,32 @@ def aggregate(part_stats: list[dict], *, fmt: str) -> Counts:
         for k, v in sorted(total.items())
         if k.startswith("rejects_") and k != "rejects_not_logged" and v
     }
+    counts = _made(total, fmt=fmt)
+    counts.documents_in = total["documents_in"]
+    counts.documents_written = total["documents_written"]
+    counts.documents_skipped = skipped
+    counts.documents_split = total["documents_split"]
+    counts.input_bytes = total["input_bytes"]
+    counts.non_utf8_replacements = total["non_utf8_replacements"]
+    counts.long_line_pieces = total["long_line_pieces"]
+    counts.problems_by_reason = rejects
+    counts.problems_not_logged = total["rejects_not_logged"]
+    if any("eval" in stats for stats in part_stats):
+        held: Counter = Counter()
+        for stats in part_stats:
+            held.update(stats.get("eval", {}))
+        counts.eval = _made(held, fmt=fmt)
+        counts.eval.documents_in = counts.eval.documents_written = held["documents"]
+    accounted = counts.documents_written + sum(skipped.values())
+    assert counts.documents_in == accounted, (
+        f"internal error: {counts.documents_in} documents in, {accounted} accounted for"
+    )
+    return counts
+
+
+def _made(total: Counter, *, fmt: str) -> Counts:
+    """The counts of what one split made: sentences, tokens, samples, shards."""
     counts = Counts(
-        documents_in=total["documents_in"],
-        documents_written=total["documents_written"],
-        documents_skipped=skipped,
-        documents_split=total["documents_split"],
         sentences=total["sentences"],
         tokens=total["tokens"],
         tokens_by_lang={"en": total["tokens_en"], "zh": total["tokens_zh"]},
@@ -56,11 +78,6 @@ def aggregate(part_stats: list[dict], *, fmt: str) -> Counts:
         tokens_in_samples=total["tokens_in_samples"],
         shards=total["shards"],
         bytes=total["bytes"],
-        input_bytes=total["input_bytes"],
-        non_utf8_replacements=total["non_utf8_replacements"],
-        long_line_pieces=total["long_line_pieces"],
-        problems_by_reason=rejects,
-        problems_not_logged=total["rejects_not_logged"],
     )
     if fmt == "nsp":
         counts.nsp_random_next = total["nsp_random_next"]
@@ -68,10 +85,6 @@ def aggregate(part_stats: list[dict], *, fmt: str) -> Counts:
         counts.tokens_truncated = total["tokens_truncated"]
     else:
         counts.tokens_dropped_tail = total["tokens_dropped_tail"]
-    accounted = counts.documents_written + sum(skipped.values())
-    assert counts.documents_in == accounted, (
-        f"internal error: {counts.documents_in} documents in, {accounted} accounted for"
-    )
     return counts
 
 
@@ -90,7 +103,15 @@ def format_summary(manifest: BuildManifest) -> str:
             f"{m.workers} workers, peak RSS/worker {m.peak_rss_mb_per_worker:.0f} MB)",
         ),
         ("documents in", f"{c.documents_in:,}"),
-        ("documents written", f"{c.documents_written:,}"),
+        (
+            "documents written",
+            f"{c.documents_written:,}"
+            + (
+                f"  (train {c.documents_written - c.eval.documents_written:,}, eval {c.eval.documents_written:,})"
+                if c.eval
+                else ""
+            ),
+        ),
     ]
     rows += [(f"  skipped: {k}", f"{v:,}") for k, v in c.documents_skipped.items()]
     rows += [
@@ -107,11 +128,26 @@ def format_summary(manifest: BuildManifest) -> str:
         rows.append(("tokens dropped (tails)", f"{c.tokens_dropped_tail:,}"))
     rows += [
         ("shards", f"{c.shards:,}  ({c.bytes / 1e6:.1f} MB, zstd)"),
+        *_held_out_rows(c.eval),
         ("non-UTF-8 replaced", f"{c.non_utf8_replacements:,}"),
         ("problems logged", f"{sum(c.problems_by_reason.values()) - c.problems_not_logged:,}  (rejects.jsonl)"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _held_out_rows(held: Counts | None) -> list[tuple[str, str]]:
+    """The held-out folder's row (OUTPUT/eval); the sentences, tokens, samples and shards above are
+    the training folder's."""
+    if held is None:
+        return []
+    return [
+        (
+            "eval (OUTPUT/eval)",
+            f"{held.documents_written:,} documents, {held.tokens:,} tokens, {held.samples:,} samples, "
+            f"{held.shards:,} shards ({held.bytes / 1e6:.1f} MB)",
+        )
+    ]
 
 
 def explain_no_samples(counts: Counts, *, fmt: str, max_seq_len: int) -> str:

@@ -7,6 +7,9 @@ DATA/ (a build's --output):
   tokenizer/            the HF tokenizer folder the samples were made with (TOKENIZER_FILES)
   build_manifest.json   `BuildManifest`: resolved settings, tokenizer identity, counts, timings
   rejects.jsonl         every skipped line or document, with file, line (or row) and reason
+  eval/                 with --eval_share: the held-out documents' samples, a shard folder of its own
+                        (index.json, part-XXXXX/, tokenizer/, build_manifest.json with split "eval");
+                        DATA/index.json never lists its shards, so training never reads them
 
 Samples (`columns_for`): input_ids (uint16 while the vocabulary fits, else uint32), token_type_ids
 and word_starts (uint8, one per token), lang (str), and nsp_label (int) in nsp builds only: a reader
@@ -35,6 +38,7 @@ INDEX = "index.json"
 MANIFEST = "build_manifest.json"
 TOKENIZER_DIR = "tokenizer"
 REJECTS = "rejects.jsonl"
+EVAL_DIR = "eval"
 
 # What DATA/tokenizer/ may hold: the builder copies those of a --tokenizer folder that exist, and
 # the trainer fetches the same names for remote data (the ones that exist).
@@ -295,7 +299,14 @@ class MdsSettings:
 
 @dataclass
 class Counts:
-    """What a build read, wrote and skipped (the per-part counts summed)."""
+    """What a build read, wrote and skipped (the per-part counts summed).
+
+    documents_in = documents_written + sum(documents_skipped) over the whole build; a held-out
+    document counts as written (it is, into DATA/eval). The counts of what was made (sentences,
+    tokens, samples, shards, bytes...) are the training folder's; `eval` holds the held-out
+    folder's own (also DATA/eval/build_manifest.json's counts, where documents_in and
+    documents_written are its documents), so the training folder holds documents_written -
+    eval.documents_written documents."""
 
     documents_in: int = 0
     documents_written: int = 0
@@ -319,6 +330,22 @@ class Counts:
     tokens_truncated: Optional[int] = None
     # packed builds only
     tokens_dropped_tail: Optional[int] = None
+    # builds with --eval_share only
+    eval: Optional[Counts] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object, without unset (None) fields (the other format's, `eval` without a split)."""
+        out = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        if self.eval is not None:
+            out["eval"] = self.eval.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> Counts:
+        values = _known(cls, obj)
+        if values.get("eval") is not None:
+            values["eval"] = cls.from_dict(values["eval"])
+        return cls(**values)
 
 
 @dataclass
@@ -329,6 +356,7 @@ class BuildManifest:
     does not know."""
 
     status: str = "complete"  # running | complete | empty (older builders wrote no status)
+    split: Optional[str] = None  # "eval" in DATA/eval (the held-out documents); None: the training folder
     config: dict[str, Any] = field(default_factory=dict)  # the builder's resolved flags, as a record
     fingerprint: dict[str, Any] = field(default_factory=dict)  # what build_shards.py --resume compares
     tokenizer: Optional[TokenizerRecord] = None
@@ -367,8 +395,8 @@ class BuildManifest:
     def to_dict(self) -> dict[str, Any]:
         """The JSON object; unset (None) fields, and the counts of the other format, are left out."""
         out = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
-        if out.get("counts"):
-            out["counts"] = {k: v for k, v in out["counts"].items() if v is not None}
+        if self.counts is not None:
+            out["counts"] = self.counts.to_dict()
         return out
 
     @classmethod
@@ -376,10 +404,12 @@ class BuildManifest:
         if not isinstance(obj, dict):
             raise ValueError(f"expected an object, got {type(obj).__name__}")
         values = _known(cls, obj)
-        nested = {"tokenizer": TokenizerRecord, "counts": Counts, "mds": MdsSettings}
+        nested = {"tokenizer": TokenizerRecord, "mds": MdsSettings}
         for name, kind in nested.items():
             if values.get(name) is not None:
                 values[name] = kind(**_known(kind, values[name]))
+        if values.get("counts") is not None:
+            values["counts"] = Counts.from_dict(values["counts"])
         return cls(**values)
 
     @classmethod

@@ -319,17 +319,24 @@ def prepare_tokenizer(
     return dataclasses.replace(info, path=str(out_dir))
 
 
-def training_texts(chunks: list[Chunk], *, text_field: str, budget_bytes: int) -> Iterator[str]:
+def training_texts(
+    chunks: list[Chunk], *, text_field: str, budget_bytes: int, held_out: Callable[[list[str]], bool] | None = None
+) -> Iterator[str]:
     """Cleaned lines for tokenizer training: from every chunk, its first share of
-    `budget_bytes` (proportional to the chunk's size), so every file and language is sampled."""
+    `budget_bytes` (proportional to the chunk's size), so every file and language is sampled. The
+    documents `held_out` picks (--eval_share) are left out: held-out text trains nothing."""
     from preprocessing.readers import ChunkReader
 
     total = sum(c.nbytes for c in chunks) or 1
     for chunk in chunks:
         share = budget_bytes * chunk.nbytes / total
-        taken = 0
+        taken, skip = 0, False
         reader = ChunkReader(chunk, text_field=text_field)
         for doc in reader.documents():
+            if doc.part == 0:
+                skip = held_out is not None and held_out(doc.lines)
+            if skip:
+                continue
             for line in doc.lines:
                 line = clean_text(line)
                 if line:

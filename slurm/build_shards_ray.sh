@@ -17,17 +17,17 @@
 #   INPUTS="en:/data/wiki/*.txt zh:/data/zh/*.jsonl" OUTPUT=/data/shards sbatch slurm/build_shards_ray.sh
 #   NODES=8 CPUS_PER_NODE=64 INPUTS=... OUTPUT=... bash slurm/build_shards_ray.sh   # submits itself, resized
 #   DRY_RUN=1 INPUTS=... OUTPUT=... bash slurm/build_shards_ray.sh   # prints the srun command of every node
+#                                                                    # and the builder's resolved settings
 #
 # Knobs (environment variables; default in brackets):
 #   INPUTS           builder inputs, space-separated [en:|zh:]PATH_OR_GLOB (quote globs) [required]
 #   OUTPUT           shard folder to write [required]
 #   TOKENIZER        an HF tokenizer folder to use as is []
-#   TRAIN_TOKENIZER  wordpiece | sentencepiece: train one on the inputs instead [wordpiece]
-#   VOCAB_SIZE       for TRAIN_TOKENIZER [30000]
-#   FORMAT           nsp | packed [nsp]
-#   MAX_SEQ_LEN      [128]
-#   SEED             [0]
-#   NUM_WORKERS      parallel Ray tasks [every CPU of the Ray cluster]
+#   TRAIN_TOKENIZER  the builder's --train_tokenizer: train one on the inputs instead [wordpiece, when
+#                    TOKENIZER is unset: the builder needs one of the two and has no default]
+#   VOCAB_SIZE, FORMAT, MAX_SEQ_LEN, SEED, EVAL_SHARE, NUM_WORKERS
+#                    the builder's --vocab_size, --format, ...: passed only when set, so the defaults
+#                    are the builder's own (preprocessing/config.py; a dry run prints them resolved)
 #   EXTRA_ARGS       more build_shards.py flags, split on spaces (e.g. --overwrite, --remote URL) []
 #   NODES            nodes, when this script submits itself [4]
 #   CPUS_PER_NODE    CPUs Ray uses per node [the allocation's --cpus-per-task; 32 when submitting]
@@ -59,8 +59,9 @@ source "$REPO/slurm/common.sh"
 
 DEFAULT_NODES=4
 DEFAULT_CPUS_PER_NODE=32
-: "${INPUTS:=}" "${OUTPUT:=}" "${TOKENIZER:=}" "${TRAIN_TOKENIZER:=wordpiece}" "${VOCAB_SIZE:=30000}"
-: "${FORMAT:=nsp}" "${MAX_SEQ_LEN:=128}" "${SEED:=0}" "${NUM_WORKERS:=}" "${EXTRA_ARGS:=}"
+: "${INPUTS:=}" "${OUTPUT:=}" "${TOKENIZER:=}" "${TRAIN_TOKENIZER:=}" "${EXTRA_ARGS:=}"
+# The builder's knobs that travel only when set, each as --<its name in lower case>.
+BUILDER_KNOBS=(VOCAB_SIZE FORMAT MAX_SEQ_LEN SEED EVAL_SHARE NUM_WORKERS)
 : "${PYTHON:=python}" "${RAY_START_TIMEOUT_S:=300}" "${RAY_LOOPBACK:=0}" "${DRY_RUN:=0}"
 : "${LOCAL_DISK:=${SLURM_TMPDIR:-/tmp}}"
 
@@ -74,28 +75,36 @@ ray_bin() {
 check_knobs() {
     [[ -n "$INPUTS" ]] || die "INPUTS is empty: give the builder's inputs, e.g. INPUTS=\"en:/data/wiki/*.txt\""
     [[ -n "$OUTPUT" ]] || die "OUTPUT is empty: give the shard folder to write (on shared storage)"
-    [[ -n "$TOKENIZER" || "$TRAIN_TOKENIZER" =~ ^(wordpiece|sentencepiece)$ ]] ||
-        die "TRAIN_TOKENIZER=$TRAIN_TOKENIZER: use wordpiece or sentencepiece, or set TOKENIZER"
+    [[ -n "$TOKENIZER" || -n "$TRAIN_TOKENIZER" ]] || TRAIN_TOKENIZER=wordpiece
     require_int RAY_START_TIMEOUT_S "$RAY_START_TIMEOUT_S" 1
-    [[ -z "$NUM_WORKERS" ]] || require_int NUM_WORKERS "$NUM_WORKERS" 1
 }
 
 # Sets BUILD_CMD: the driver, joining the running cluster.
 build_builder_cmd() {  # RAY_ADDRESS
-    local spec inputs extra
+    local spec inputs extra knob
     read -ra inputs <<<"$INPUTS"  # read does not expand globs: the builder does
     BUILD_CMD=("$PYTHON" "$REPO/preprocessing/build_shards.py")
     for spec in "${inputs[@]}"; do BUILD_CMD+=(--input "$spec"); done
     BUILD_CMD+=(--output "$OUTPUT")
-    if [[ -n "$TOKENIZER" ]]; then
-        BUILD_CMD+=(--tokenizer "$TOKENIZER")
-    else
-        BUILD_CMD+=(--train_tokenizer "$TRAIN_TOKENIZER" --vocab_size "$VOCAB_SIZE")
-    fi
-    BUILD_CMD+=(--format "$FORMAT" --max_seq_len "$MAX_SEQ_LEN" --seed "$SEED" --ray_address "$1")
-    [[ -n "$NUM_WORKERS" ]] && BUILD_CMD+=(--num_workers "$NUM_WORKERS")
+    [[ -n "$TOKENIZER" ]] && BUILD_CMD+=(--tokenizer "$TOKENIZER")
+    [[ -n "$TRAIN_TOKENIZER" ]] && BUILD_CMD+=(--train_tokenizer "$TRAIN_TOKENIZER")
+    for knob in "${BUILDER_KNOBS[@]}"; do
+        [[ -n "${!knob:-}" ]] && BUILD_CMD+=("--${knob,,}" "${!knob}")
+    done
+    BUILD_CMD+=(--ray_address "$1")
     read -ra extra <<<"$EXTRA_ARGS"
     BUILD_CMD+=("${extra[@]}")
+}
+
+# What the builder makes of BUILD_CMD: every knob with its resolved value, its defaults included.
+# A value it refuses stops the script here (on the login node when submitting), naming the flag.
+resolved_config() {
+    local resolved
+    if ! resolved=$("${BUILD_CMD[@]}" --print_config 2>&1); then
+        printf '%s\n' "$resolved" >&2
+        die "the shard builder refuses these settings (above)"
+    fi
+    printf '%s\n' "$resolved"
 }
 
 # Sets HEAD_CMD and WORKER_CMD (for node $3): `ray start --block` under srun, one task per node.
@@ -151,6 +160,8 @@ dry_run() {  # NODELIST CPUS JOB_ID
     say "then, once \`ray status\` lists ${#nodes[@]} active node(s), the driver on ${nodes[0]}:"
     build_builder_cmd "$(truthy "$RAY_LOOPBACK" && echo auto || echo "$head_addr:$port")"
     print_cmd "${BUILD_CMD[@]}"
+    say "resolved configuration (preprocessing/build_shards.py --print_config):"
+    resolved_config
     say "and on exit, success or failure: SIGTERM to each node's \`ray start\` (workers, then the head), e.g."
     # shellcheck disable=SC2016  # printed as it would run
     print_cmd srun --overlap --nodes=1 --ntasks=1 --nodelist="${nodes[-1]}" \
@@ -269,6 +280,8 @@ submit_self() {
     [[ -n "${PARTITION:-}" ]] && args+=(--partition="$PARTITION")
     [[ -n "${ACCOUNT:-}" ]] && args+=(--account="$ACCOUNT")
     [[ -n "${TIME_LIMIT:-}" ]] && args+=(--time="$TIME_LIMIT")
+    build_builder_cmd auto
+    resolved_config >/dev/null
     mkdir -p logs
     print_cmd sbatch "${args[@]}" "$@" "$SCRIPT"
     exec sbatch "${args[@]}" "$@" "$SCRIPT"

@@ -34,13 +34,13 @@ import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
 
 from pipeline import distributed
-from pipeline.bench.common import REPO, emit_json
+from pipeline.bench.common import REPO
+from preprocessing import cli
 
 ALIGN_ELEMENTS = 2  # DeepSpeed's nccl_start_alignment_factor: each group's flat buffer is padded to 2 x R
 NORM_BYTES = 4  # the fp32 gradient-norm partial each group all-reduces
@@ -150,25 +150,31 @@ def _batches(a: argparse.Namespace, *, nsp: bool) -> Iterator[dict]:
 
     rank = distributed.rank()
     batches = collated_batches(
-        micro=a.micro, count=4 * (rank + 1), seq_len=a.seq_len, vocab=a.vocab, nsp=nsp, pin=False
-    )
+        micro=a.micro, count=4 * (rank + 1), seq_len=a.seq_len, vocab=a.vocab, data="nsp" if nsp else "packed",
+        option="remove" if nsp else "document", pin=False,
+    )  # fmt: skip
     k = rank  # each rank its own batches (the counts must not depend on them)
     while True:
         yield batches[k % len(batches)]
         k += 1
 
 
-def _optimizer_step(engine, batches: Iterator[dict], *, prep: Any, step: int) -> None:
-    from pipeline.training.objectives import compute_losses
-    from pipeline.training.trainer import to_device
+def _program(engine, *, objective: str, nsp: bool):
+    """The trainer's step program around `engine` (pipeline.training.step): what a step of
+    pipeline/train.py computes, TaCL's teacher aside (this counts MLM and TACO)."""
+    from pipeline import objectives
+    from pipeline.training.config import ObjectiveArgs
+    from pipeline.training.metrics import FlopsModel
+    from pipeline.training.nonfinite import NonfiniteGuard
+    from pipeline.training.step import StepProgram
 
-    taco = prep.cfg.objective.objective == "taco"
-    for _ in range(engine.gradient_accumulation_steps()):
-        batch = to_device(next(batches), engine.device)
-        out = engine(batch, with_embeddings=taco, with_nsp=prep.use_nsp)
-        res = compute_losses(prep, out, batch, teacher=None, generator=torch.Generator().manual_seed(step))
-        engine.backward(res.total)
-        engine.step()
+    guard = NonfiniteGuard(engine.device)
+    guard.install(engine.module)
+    return StepProgram(
+        engine=engine, objective=objectives.get(objective), args=ObjectiveArgs(objective=objective), nsp=nsp,
+        teacher=None, guard=guard, flops=FlopsModel.of(engine.module.config, teacher=False), device=engine.device,
+        seed=0, accum=engine.gradient_accumulation_steps(),
+    )  # fmt: skip
 
 
 def _tally(calls: Sequence[distributed.CollectiveCall]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -219,18 +225,22 @@ def _expected(
 def count_case(a: argparse.Namespace, *, bucket: Optional[int]) -> Optional[dict[str, Any]]:
     """Count the collectives of `a.steps` optimizer steps (after `a.warmup`) of one engine; rank 0's
     summary (None on the other ranks)."""
-    from pipeline.training.config import ObjectiveArgs
+
+    from pipeline.training.metrics import Meter
+    from pipeline.training.state import TrainState
+    from pipeline.training.step import Batches, train_step
 
     world, nsp = distributed.world_size(), a.objective == "mlm"
-    prep = SimpleNamespace(cfg=SimpleNamespace(objective=ObjectiveArgs(objective=a.objective)), use_nsp=nsp)
     engine, layout = _engine(a, world=world, bucket=bucket)
-    batches = _batches(a, nsp=nsp)
+    program = _program(engine, objective=a.objective, nsp=nsp)
+    batches, state = Batches(_batches(a, nsp=nsp)), TrainState()
+    meter = Meter(program.objective.metric_keys(nsp=nsp), engine.device)
     order, handles = ready_order(engine.module, nsp=nsp)
     steps = []
     for step in range(a.warmup + a.steps):
         order.clear()
         with distributed.counting_collectives() as calls:
-            _optimizer_step(engine, batches, prep=prep, step=step)
+            train_step(program, state, batches, meter)
         if step >= a.warmup:
             steps.append(_tally(calls))
     for h in handles:
@@ -292,7 +302,7 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.bench_parser(__doc__.split("\n")[0], out=True)
     p.add_argument("--world_sizes", default="2,4", help="comma-separated rank counts, one run each")
     p.add_argument("--ds_config", default=str(REPO / "deepspeed_configs" / "zero2.json"))
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="fp32: bf16.enabled false")
@@ -310,7 +320,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2, help="steps counted")
     p.add_argument("--warmup", type=int, default=1, help="steps run first, not counted")
     p.add_argument("--timeout", type=float, default=300, help="seconds for all the runs")
-    p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     return p
@@ -356,7 +365,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     worlds = [int(w) for w in a.world_sizes.split(",")]
     child = [f"--{k}={getattr(a, k)}" for k in _WORKER_ARGS if getattr(a, k) is not None]
     runs = run_worlds(child, worlds=worlds, timeout=a.timeout)
-    emit_json(
+    cli.emit_json(
         {
             "benchmark": "comm_bytes",
             "deepspeed": _deepspeed_version(),

@@ -26,7 +26,6 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
-from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
@@ -104,11 +103,12 @@ def _twin_order(model: str) -> list[str]:
     narrow twin (same layers, width 64): the order depends on the graph, not on the widths."""
     from transformers import BertForPreTraining
 
+    from pipeline import objectives
     from pipeline.bench.gpu import collated_batches
     from pipeline.modeling.bert_config import PRESETS, bert_config
     from pipeline.modeling.student import Student
+    from pipeline.objectives import LossInputs
     from pipeline.training.config import ObjectiveArgs
-    from pipeline.training.objectives import compute_losses
 
     cfg = bert_config(model, vocab_size=1024)
     cfg.hidden_size, cfg.num_attention_heads, cfg.intermediate_size = 64, 2, 256
@@ -116,10 +116,10 @@ def _twin_order(model: str) -> list[str]:
     torch.manual_seed(0)
     twin = Student(BertForPreTraining(cfg))
     order, handles = ready_order(twin, nsp=False)
-    (batch,) = collated_batches(micro=2, count=1, seq_len=32, vocab=1024, nsp=False, pin=False)
-    prep = SimpleNamespace(cfg=SimpleNamespace(objective=ObjectiveArgs(objective="taco")), use_nsp=False)
+    (batch,) = collated_batches(micro=2, count=1, seq_len=32, vocab=1024, data="packed", option="document", pin=False)
     out = twin(batch, with_embeddings=True)
-    compute_losses(prep, out, batch, teacher=None, generator=torch.Generator().manual_seed(0)).total.backward()
+    inputs = LossInputs(args=ObjectiveArgs(objective="taco"), teacher=None, generator=torch.Generator().manual_seed(0))
+    objectives.get("taco").losses(out, batch, nsp=False, inputs=inputs).total.backward()
     for h in handles:
         h.remove()
     return [name for name, _ in order]

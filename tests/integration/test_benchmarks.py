@@ -103,7 +103,7 @@ def test_bench_train_quick(tmp_path):
 @pytest.mark.corpora
 def test_builder_benchmark_quick(tmp_path, corpora):
     report = _run(
-        ["preprocessing.bench.builder", "--quick", "--corpora", str(corpora), "--workdir", str(tmp_path / "w")],
+        ["preprocessing.bench.builder", "--quick", "--corpora", str(corpora), "--work_dir", str(tmp_path / "w")],
         tmp_path,
     )
     assert set(report["langs"]) == {"en", "zh"}

@@ -1,6 +1,7 @@
 """Command-line errors: exit code 2 with a message naming the path, flag or value (no Ray needed:
 everything here fails before any work starts)."""
 
+import re
 import subprocess
 import sys
 
@@ -28,6 +29,8 @@ def text_file(tmp_path):
         (["--input", "{tmp}/a.txt", "--num_workers", "0"], "--num_workers 0: must be at least 1"),
         (["--input", "{tmp}/a.txt", "--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
         (["--input", "{tmp}/a.txt", "--short_seq_prob", "1.5"], "--short_seq_prob 1.5: must be between 0 and 1"),
+        (["--input", "{tmp}/a.txt", "--eval_share", "1"], "--eval_share 1.0: must be at least 0 and below 1"),
+        (["--input", "{tmp}/a.txt", "--eval_share", "-0.1"], "--eval_share -0.1: must be at least 0 and below 1"),
     ],
 )
 def test_bad_flags_exit_2_naming_them(tmp_path, text_file, capsys, extra, message):
@@ -185,3 +188,91 @@ def test_a_stale_lock_is_taken_over_and_a_foreign_one_refused(tmp_path, capsys):
         r"is running there, delete .*\.build\.lock",
     ):
         OutputLock(tmp_path).acquire()
+
+
+# ---- one declaration per knob: flags, --config, --print_config, the resume check ---------------
+def test_config_file_then_flags_and_print_config_replays(tmp_path, text_file, capsys):
+    """Defaults, then the file's `build` section, then the flags typed; --print_config prints what a
+    --config file replays, and writes nothing."""
+    import json
+
+    from preprocessing.config import BuildConfig, parse_args
+
+    path = tmp_path / "build.yaml"
+    path.write_text(
+        f"build:\n  inputs: ['en:{text_file}']\n  output: {tmp_path / 'out'}\n  tokenizer: tok\n"
+        "  max_seq_len: 64\n  short_seq_prob: 0\n  seed: 7\n"
+    )
+    cfg = parse_args(["--config", str(path), "--seed", "8", "--no_progress"])
+    assert (cfg.max_seq_len, cfg.seed, cfg.short_seq_prob, cfg.progress) == (64, 8, 0.0, False)
+    assert cfg.format == BuildConfig.__dataclass_fields__["format"].default == "nsp"
+    assert main(["--config", str(path), "--seed", "8", "--no_progress", "--print_config"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == {"build": cfg.to_dict()} and printed["build"]["vocab_size"] == 30522
+    (tmp_path / "printed.json").write_text(json.dumps(printed))
+    assert parse_args(["--config", str(tmp_path / "printed.json")]).to_dict() == cfg.to_dict()
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ({"build": {"max_seq_lenn": 64}}, "unknown key build.max_seq_lenn; the keys of build are"),
+        ({"build": {"max_seq_len": "long"}}, 'build.max_seq_len is "long" (str); expected an integer'),
+        ({"build": {"format": "mlm"}}, "build.format is 'mlm'; expected one of nsp, packed"),
+        ({"samples": {"seed": 1}}, "unknown key 'samples'; expected sections ['build']"),
+    ],
+)
+def test_config_file_mistakes_exit_2_naming_the_key(tmp_path, text_file, capsys, content, message):
+    import json
+
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(content))
+    assert (
+        main(["--config", str(path), "--input", str(text_file), "--output", str(tmp_path / "o"), "--tokenizer", "x"])
+        == 2
+    )
+    assert f"--config {path}: {message}" in capsys.readouterr().err
+
+
+def test_input_and_output_are_required_from_flags_or_file(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--tokenizer", "x"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "the following arguments are required: --input, --output" in err
+
+
+def test_the_resume_check_is_the_math_knobs(tmp_path):
+    """--resume compares the knobs marked math (what OUTPUT_KEYS listed, and --tokenizer); a knob the
+    earlier build did not record ran with its default; the others may change."""
+    from preprocessing.config import BuildConfig, math_knobs
+    from preprocessing.errors import UsageError
+    from preprocessing.output import check_resumable, fingerprint
+    from preprocessing.shard_format import BuildManifest
+
+    assert set(math_knobs()) >= {
+        "format", "max_seq_len", "short_seq_prob", "random_next_prob", "seed", "text_field", "block_mb", "remote",
+        "train_tokenizer", "sp_model_type", "vocab_size", "lowercase", "tokenizer_train_mb", "tokenizer",
+    }  # fmt: skip
+    assert not {"inputs", "output", "num_workers", "ray_address", "resume", "overwrite", "progress"} & set(math_knobs())
+
+    def fp(cfg):
+        return fingerprint(cfg, files=[], chunk_bytes=1 << 20, tokenizer_sha256="ab", knobs=math_knobs())
+
+    base = BuildConfig(inputs=["a.txt"], output="o", tokenizer="t")
+    saved = {k: v for k, v in fp(base).items() if k != "block_mb"}  # a build from before --block_mb existed
+    previous = BuildManifest(fingerprint=saved)
+    check_resumable(previous, fingerprint=fp(base), out=tmp_path, config_cls=BuildConfig)
+    check_resumable(
+        previous, fingerprint=fp(BuildConfig(inputs=["b.txt"], output="o", tokenizer="t", num_workers=3)),
+        out=tmp_path, config_cls=BuildConfig,
+    )  # fmt: skip
+    for changed, message in (
+        (dict(max_seq_len=64), "different max_seq_len (before: [128], now: [64])"),
+        (dict(block_mb=2.0), "different block_mb (before: [4.0], now: [2.0])"),
+    ):
+        with pytest.raises(UsageError, match=re.escape(message)):
+            cfg = BuildConfig(inputs=["a.txt"], output="o", tokenizer="t", **changed)
+            check_resumable(previous, fingerprint=fp(cfg), out=tmp_path, config_cls=BuildConfig)
+    with pytest.raises(UsageError, match=re.escape("different chunk_bytes (before: [1048576], now: [1])")):
+        check_resumable(previous, fingerprint={**fp(base), "chunk_bytes": 1}, out=tmp_path, config_cls=BuildConfig)

@@ -91,3 +91,47 @@ def test_resume_drops_only_the_builders_stale_part_folders(tmp_path):
     remove_stale(out, keep={"part-00000"}, part_stats="part_stats.json")
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["part-00000", "part-notes", "tokenizer"]
     assert (out / "part-notes" / "n.txt").read_text() == "mine"
+
+
+def _fake_eval(out: Path) -> None:
+    """What --eval_share adds: OUTPUT/eval, a shard folder of the builder's own."""
+    held = out / "eval"
+    held.mkdir()
+    BuildManifest(status="complete", split="eval").write(held / "build_manifest.json")
+    (held / "index.json").write_text('{"version": 2, "shards": []}')
+    (held / "tokenizer").mkdir()
+    (held / "tokenizer" / "tokenizer.json").write_text("{}")
+    for part in ("part-00000", "part-00001"):
+        (held / part).mkdir()
+        for name in ("index.json", "shard.00000.mds.zstd"):
+            (held / part / name).write_text("x")
+    (held / ".tmp-part-00002-0123abcd").mkdir()
+
+
+def test_overwrite_clears_a_build_with_a_held_out_split_but_not_what_is_put_in_it(tmp_path, capsys):
+    out = tmp_path / "shards"
+    out.mkdir()
+    _fake_build(out)
+    _fake_eval(out)
+    assert prepare_output(out, overwrite=True, resume=False) is None
+    assert list(out.iterdir()) == []
+    _fake_build(out)
+    _fake_eval(out)
+    (out / "eval" / "notes.txt").write_text("mine")
+    (out / "eval" / "part-00000" / "scores.csv").write_text("mine too")
+    (out / "eval" / "eval").mkdir()  # only OUTPUT/eval is the builder's, not eval/eval
+    before = _tree(out)
+    assert main(_build_args(tmp_path, out)) == 2
+    err = capsys.readouterr().err
+    assert "also eval/eval/, eval/notes.txt, eval/part-00000/scores.csv, which the builder did not write" in err
+    assert _tree(out) == before
+
+
+def test_resume_drops_stale_held_out_parts(tmp_path):
+    out = tmp_path / "shards"
+    out.mkdir()
+    _fake_build(out)
+    _fake_eval(out)
+    (out / "eval" / "part-notes").mkdir()
+    remove_stale(out, keep={"part-00000"}, part_stats="part_stats.json")
+    assert sorted(p.name for p in (out / "eval").iterdir() if p.is_dir()) == ["part-00000", "part-notes", "tokenizer"]

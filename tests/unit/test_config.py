@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import cli
 from pipeline.training import config as C
 from pipeline.training.preflight import check_resume
+from preprocessing import cli
 from preprocessing.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -96,3 +96,16 @@ def test_vocabulary_differences_name_the_first_ids():
     masked = vocab(a.tokens, specials=("[CLS]", "[SEP]", "[UNK]", "[PAD]", "[MASK]"))
     assert vocabulary_differences(a, masked) == ["special tokens mask '[MASK]' vs '[UNK]', unk '[UNK]' vs '[MASK]'"]
     assert vocabulary_differences(a, vocab(a.tokens)) == []
+
+
+def test_a_manifest_with_a_held_out_split_round_trips(tmp_path):
+    """counts.eval is a Counts of its own (unset fields left out of it too); older manifests have none."""
+    held = Counts(documents_in=2, documents_written=2, samples=5, tokens_dropped_tail=1)
+    m = BuildManifest(counts=Counts(documents_in=9, documents_written=9, samples=40, eval=held), split=None)
+    out = m.to_dict()
+    assert out["counts"]["eval"]["samples"] == 5 and "nsp_random_next" not in out["counts"]["eval"]
+    assert "split" not in out and "eval" not in BuildManifest.from_dict(OLD).to_dict()["counts"]
+    m.write(tmp_path / "m.json")
+    assert BuildManifest.read(tmp_path / "m.json") == m and BuildManifest.read(tmp_path / "m.json").counts.eval == held
+    own = BuildManifest(split="eval", counts=held)
+    assert BuildManifest.from_dict(json.loads(json.dumps(own.to_dict()))).split == "eval"

@@ -211,6 +211,41 @@ def test_build_requires_inputs_and_output():
     assert r.returncode == 2 and "OUTPUT is empty" in r.stderr
 
 
+def test_build_passes_only_the_knobs_set_and_prints_the_builders_defaults():
+    """The builder's defaults live in preprocessing/config.py alone: the launcher passes a knob only
+    when it is set, and the dry run prints what the builder resolves (its --print_config)."""
+    from preprocessing.config import BuildConfig
+
+    text = (SLURM / "build_shards_ray.sh").read_text()
+    assert not re.search(r"\$\{(VOCAB_SIZE|FORMAT|MAX_SEQ_LEN|SEED|EVAL_SHARE|NUM_WORKERS):=", text)
+    r = run_script("build_shards_ray.sh", DRY_RUN="1", NODES="1", INPUTS="en:/d/a.txt", OUTPUT="/o", MAX_SEQ_LEN="256")
+    assert r.returncode == 0, r.stderr
+    (builder,) = [c for c in r.stdout.splitlines() if c.startswith("+ ") and "build_shards.py" in c]
+    assert "--train_tokenizer wordpiece --max_seq_len 256 --ray_address" in builder
+    assert not {"--seed", "--vocab_size", "--format", "--eval_share", "--num_workers"} & set(builder.split())
+    start = r.stdout.index("{", r.stdout.index("resolved configuration"))
+    resolved = json.loads(r.stdout[start : r.stdout.rindex("}") + 1])["build"]
+    defaults = BuildConfig(inputs=["x"], output="o")
+    assert resolved["max_seq_len"] == 256 and resolved["inputs"] == ["en:/d/a.txt"]
+    assert (resolved["seed"], resolved["vocab_size"], resolved["format"]) == (
+        defaults.seed,
+        defaults.vocab_size,
+        defaults.format,
+    )
+
+
+def test_build_refuses_what_the_builder_refuses_before_submitting():
+    """No DRY_RUN: the script would submit itself, but asks the builder first (on the login node)."""
+    for knob, value, message in (
+        ("MAX_SEQ_LEN", "4", "--max_seq_len 4: must be between 5"),
+        ("TRAIN_TOKENIZER", "bpe", "argument --train_tokenizer: invalid choice: 'bpe'"),
+        ("NUM_WORKERS", "0", "--num_workers 0: must be at least 1"),
+    ):
+        r = run_script("build_shards_ray.sh", INPUTS="en:/d/a.txt", OUTPUT="/o", **{knob: value})
+        assert r.returncode == 2 and message in r.stderr, r.stderr
+        assert "the shard builder refuses these settings" in r.stderr and "sbatch" not in r.stdout
+
+
 def _expand_reference(hostlist: str) -> list[str]:
     """Slurm's host-list syntax, straightforwardly: items split on commas outside brackets, every
     bracket group a list of numbers or ranges (zero padding as written), the groups' product."""

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline import cli, objectives
+from pipeline import objectives
 from pipeline.bench.engine import BareEngine
 from pipeline.modeling.param_groups import param_groups
 from pipeline.modeling.student import Student
@@ -20,6 +20,7 @@ from pipeline.training.metrics import FlopsModel, Meter
 from pipeline.training.nonfinite import NonfiniteGuard
 from pipeline.training.state import TrainState
 from pipeline.training.step import Batches, StepProgram, train_step
+from preprocessing import cli
 from tests.support.batches import collate, model
 
 DS = {

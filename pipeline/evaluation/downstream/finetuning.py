@@ -25,7 +25,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from pipeline.cli import knob
 from pipeline.data.masking import IGNORE_INDEX
 from pipeline.data.padding import pad_right
 from pipeline.evaluation.downstream import scoring as M
@@ -41,6 +40,7 @@ from pipeline.evaluation.downstream.tasks import (
 from pipeline.evaluation.models import resolve_device
 from pipeline.hardware import slow_bf16_reason
 from pipeline.modeling.param_groups import param_groups
+from preprocessing.cli import knob
 from preprocessing.errors import UsageError
 
 _WARNED: set[str] = set()  # slow-bf16 warnings already given in this process

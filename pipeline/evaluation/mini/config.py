@@ -12,8 +12,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Optional
 
-from pipeline.cli import knob
 from pipeline.evaluation.downstream.tasks import GLUE_TASKS, TAGGING_TASKS
+from preprocessing.cli import knob
 from preprocessing.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[3]

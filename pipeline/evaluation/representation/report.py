@@ -17,7 +17,6 @@ from typing import Optional
 
 import torch
 
-from pipeline.cli import knob
 from pipeline.evaluation.models import parse_model, resolve_device, unique_labels
 from pipeline.evaluation.representation import plots
 from pipeline.evaluation.representation.inputs import (
@@ -31,6 +30,7 @@ from pipeline.evaluation.representation.inputs import (
     structural_special_ids,
 )
 from pipeline.modeling import similarity as analysis
+from preprocessing.cli import knob
 from preprocessing.errors import UsageError
 from preprocessing.shard_format import vocabulary_of
 

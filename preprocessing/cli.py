@@ -1,12 +1,19 @@
-"""Command-line conventions every entry point shares.
+"""Command-line conventions every entry point shares: the trainer's (pipeline/), the shard builder's
+(preprocessing/) and the benchmarks'. It lives in preprocessing/ because that is the lower layer:
+pipeline imports preprocessing (errors, shard_format, this module) and never the reverse, so the
+builder can use it without importing the trainer.
 
 - One declaration per knob: a dataclass field made with `knob()` carries its default, help text and
   choices; `add_arguments` turns a dataclass into argparse flags, so no flag is written twice.
 - Configuration files (`--config FILE`, JSON or YAML) hold the same fields, grouped in sections;
   `merge_sections` applies defaults, then the file, then the flags the user actually typed; an
   unknown key, or a value of the wrong type for its field (`file_value`), is an error that names it.
+- Resuming: `math_changes` lists the changed knobs marked math=True (what a resumed job refuses),
+  `operational_changes` the others.
 - The exit-code policy: a `UsageError` (bad flag, file or value) exits 2 with one line; anything else
   is a bug, and Python prints its traceback and exits 1.
+- Benchmarks: `bench_parser` gives the flags they share (a smoke-run switch, --work_dir, --out) and
+  `emit_json` prints their report (and writes it to --out).
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import dataclasses
 import json
 import re
 import sys
+import tempfile
+import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -40,6 +49,7 @@ def knob(
     repeat: bool = False,
     default_factory: Any = _NOT_SET,
     metavar: Optional[str] = None,
+    group: Optional[str] = None,
 ) -> Any:
     """A dataclass field that is also a command-line flag.
 
@@ -48,7 +58,8 @@ def knob(
     --config file; `math`: changing it changes what a run computes (a resumed run refuses the change);
     `parse`: the argparse type for values that are not plain int/float/str; `repeat`: the flag may be
     given several times, each adding one element to a list; `choices`: a tuple, or a function returning
-    one when the parser is built.
+    one when the parser is built; `group`: the heading --help lists the flag under (default: none, or
+    the argument group passed to `add_arguments`).
     """
     meta = {
         "help": help,
@@ -61,6 +72,7 @@ def knob(
         "parse": parse,
         "repeat": repeat,
         "metavar": metavar,
+        "group": group,
     }
     if default_factory is not _NOT_SET:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
@@ -75,20 +87,32 @@ def flag_of(f: dataclasses.Field) -> str:
     return f.metadata["flag"] or f"--{f.name}"
 
 
+def _is_union(annotation: Any) -> bool:
+    """`Optional[int]`, `Union[a, b]`, and `int | None` alike."""
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType)
+
+
 def _base_type(annotation: Any) -> Any:
-    """int for `int` and `Optional[int]`; the element type marker for lists/tuples is handled by `parse`."""
+    """int for `int`, `Optional[int]` and `int | None`; the element type of lists/tuples is `parse`'s."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if typing.get_origin(annotation) is typing.Union and len(args) == 1:
+    if _is_union(annotation) and len(args) == 1:
         return args[0]
     return annotation
 
 
 def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type) -> None:
     """One flag per knob of `cls`. Defaults are argparse.SUPPRESS: the namespace then holds exactly the
-    flags the user typed, which is what lets a --config file sit between the defaults and the flags."""
+    flags the user typed, which is what lets a --config file sit between the defaults and the flags.
+    A knob with a `group` is listed under that heading (made once per parser)."""
     hints = typing.get_type_hints(cls)
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for f in knob_fields(cls):
         m = f.metadata
+        where = parser
+        if m["group"]:
+            if m["group"] not in groups:
+                groups[m["group"]] = parser.add_argument_group(m["group"])
+            where = groups[m["group"]]
         kwargs: dict[str, Any] = {
             "dest": f.name,
             "default": argparse.SUPPRESS,
@@ -106,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls
                 kwargs["choices"] = m["choices"]() if callable(m["choices"]) else m["choices"]
             if m["metavar"]:
                 kwargs["metavar"] = m["metavar"]
-        parser.add_argument(flag_of(f), **kwargs)
+        where.add_argument(flag_of(f), **kwargs)
 
 
 def _help(f: dataclasses.Field) -> str:
@@ -218,7 +242,7 @@ def file_value(value: Any, annotation: Any, *, choices: Optional[tuple], where: 
 def _typed(value: Any, annotation: Any) -> Any:
     """`value` as `annotation` holds it; TypeError when it is not one."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Union:
+    if _is_union(annotation):
         if value is None and type(None) in args:
             return None
         for arg in (a for a in args if a is not type(None)):
@@ -247,7 +271,7 @@ def _typed(value: Any, annotation: Any) -> Any:
 
 def _expected(annotation: Any) -> str:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Union:
+    if _is_union(annotation):
         return " or ".join(_expected(a) for a in args if a is not type(None)) + (
             " or null" if type(None) in args else ""
         )
@@ -327,3 +351,41 @@ def run(main: Callable[[], int], *, prog: str) -> int:
     except UsageError as e:
         print(f"{prog}: error: {one_line(e)}", file=sys.stderr, flush=True)
         return 2
+
+
+# ---- benchmarks ----------------------------------------------------------------------------------
+def bench_parser(
+    description: str,
+    *,
+    smoke: Optional[str] = None,
+    smoke_flag: str = "--quick",
+    work_dir: Optional[str] = None,
+    out: bool | str = False,
+    **parser_kwargs: Any,
+) -> argparse.ArgumentParser:
+    """A benchmark's parser with the flags benchmarks share, each spelt and explained one way:
+    `smoke_flag` (--quick; --tiny for the GPU ones), a switch for a smoke run, `smoke` its help;
+    --work_dir, `work_dir` saying what goes there (default: a temporary folder, `bench_work_dir`);
+    --out FILE, where `emit_json` also writes the report (`out`: True, or a help text of its own)."""
+    p = argparse.ArgumentParser(description=description, **parser_kwargs)
+    if smoke is not None:
+        p.add_argument(smoke_flag, action="store_true", help=smoke)
+    if work_dir is not None:
+        p.add_argument("--work_dir", help=f"{work_dir} (default: a temporary folder)")
+    if out:
+        p.add_argument("--out", help=out if isinstance(out, str) else "also write the JSON here")
+    return p
+
+
+def bench_work_dir(work_dir: Optional[str], *, prefix: str) -> Path:
+    """--work_dir, or a new temporary folder named with `prefix`."""
+    return Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix=prefix))
+
+
+def emit_json(result: dict[str, Any], out: Optional[str]) -> None:
+    """Print a benchmark's report as JSON, and write it to `out` (--out) when given."""
+    text = json.dumps(result, indent=2)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
+    print(text, flush=True)
