@@ -35,8 +35,8 @@ PYTHON_TAG = "3.12"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
 # What a bare GPU machine (its 'cuda' image: torch, transformers, numpy, msgpack, einops, ninja,
 # py-cpuinfo, psutil, nvidia-ml-py, tqdm, pyyaml, xxhash, ... but no DeepSpeed or streaming) lacks for
-# pipeline/train.py: DeepSpeed's pure-Python needs, streaming and its compression codecs (what the
-# run imports: zstandard, say, only preprocessing reads). A name is fetched at the version installed
+# pipeline/train.py: DeepSpeed's pure-Python needs, streaming and its compression codecs; only what the
+# run imports (not zstandard: only preprocessing reads it). A name is fetched at the version installed
 # here; NAME==VERSION where that version has no cp312 wheel.
 WHEELS = (
     "hjson",
@@ -70,7 +70,7 @@ def wheel_specs() -> list[str]:
 
 def build_wheels(folder: Path) -> list[str]:
     """Wheels for the GPU machine's Python into `folder`: DeepSpeed built here (its sdist has no wheel),
-    the rest downloaded at the versions installed here, for cp312 manylinux or pure Python."""
+    the rest downloaded (wheel_specs), for cp312 manylinux or pure Python."""
     shutil.rmtree(folder, ignore_errors=True)  # one version of each: two stop the install there
     folder.mkdir(parents=True)
     pip = [sys.executable, "-m", "pip"]
