@@ -35,20 +35,22 @@ PYTHON_TAG = "3.12"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
 # What a bare GPU machine (its 'cuda' image: torch, transformers, numpy, msgpack, einops, ninja,
 # py-cpuinfo, psutil, nvidia-ml-py, tqdm, pyyaml, xxhash, ... but no DeepSpeed or streaming) lacks for
-# pipeline/train.py: DeepSpeed's pure-Python needs, streaming and its compression codecs, and ours.
+# pipeline/train.py: DeepSpeed's pure-Python needs, streaming and its compression codecs; only what the
+# run imports (not zstandard: only preprocessing reads it). A name is fetched at the version installed
+# here; NAME==VERSION where that version has no cp312 wheel.
 WHEELS = (
     "hjson",
     "pydantic",
     "pydantic-core",
     "annotated-types",
     "typing-inspection",
+    "typing-extensions",  # pydantic-core imports its Sentinel (4.14+): the machine's may be older
     "mosaicml-streaming",
-    "zstd",
+    "zstd==1.5.6.1",  # 1.5.7.2 is an sdist for cp312; streaming only calls compress/decompress
     "python-snappy",
     "cramjam",
     "brotli",
     "catalogue",
-    "zstandard",
 )
 # (name, objective, shards, steps): the train.py stage's runs.
 TRAIN_RUNS = (("mlm_packed", "mlm", "packed", 150), ("taco", "taco", "packed", 150), ("tacl", "tacl", "nsp", 150))
@@ -61,14 +63,20 @@ def _installed_version(name: str) -> str:
     return version(name)
 
 
+def wheel_specs() -> list[str]:
+    """WHEELS as pip requirements: an entry's own pin, else the version installed here."""
+    return [name if "==" in name else f"{name}=={_installed_version(name)}" for name in WHEELS]
+
+
 def build_wheels(folder: Path) -> list[str]:
     """Wheels for the GPU machine's Python into `folder`: DeepSpeed built here (its sdist has no wheel),
-    the rest downloaded at the versions installed here, for cp312 manylinux or pure Python."""
-    folder.mkdir(parents=True, exist_ok=True)
+    the rest downloaded (wheel_specs), for cp312 manylinux or pure Python."""
+    shutil.rmtree(folder, ignore_errors=True)  # one version of each: two stop the install there
+    folder.mkdir(parents=True)
     pip = [sys.executable, "-m", "pip"]
     ds = f"deepspeed=={_installed_version('deepspeed')}"
     subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(folder), ds], check=True)
-    specs = [f"{name}=={_installed_version(name)}" for name in WHEELS]
+    specs = wheel_specs()
     platform = [arg for p in PLATFORMS for arg in ("--platform", p)]
     cmd = [*pip, "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", PYTHON_TAG]
     subprocess.run([*cmd, "--implementation", "cp", *platform, "-d", str(folder), *specs], check=True)

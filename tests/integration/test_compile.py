@@ -23,11 +23,13 @@ from torch._dynamo.utils import counters
 from pipeline import objectives
 from pipeline.data.collator import MaskingCollator
 from pipeline.data.masking import MaskingSpec
+from pipeline.modeling import attention
 from pipeline.modeling.encoder import Encoder, layer_forward
 from pipeline.modeling.student import Student, run_encoder
 from pipeline.modeling.teacher import build_teacher
 from pipeline.objectives import LossInputs
 from pipeline.training.config import ObjectiveArgs
+from tests.support import varlen_kernel
 from tests.support.batches import SPECIALS, V, collate, model
 
 
@@ -144,3 +146,28 @@ def test_varying_token_counts_compile_the_layer_once():
         for step in range(5):
             run_encoder(teacher, collate(rng.integers(6, 40, 4).tolist(), seed=step), ids="original_ids")
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+
+
+@pytest.mark.skipif(attention._VARLEN is None, reason="torch < 2.10 has no varlen kernel")
+def test_the_varlen_kernel_call_compiles_into_one_graph(monkeypatch):
+    """The layer as CUDA compiles it for bf16 (the varlen kernel's op; a CPU implementation of it here,
+    tests.support.varlen_kernel): fullgraph (a break raises), one graph for layouts of different T, B
+    and max_len, the eager layer's output and input gradient."""
+    varlen_kernel.register_cpu_kernel()
+    monkeypatch.setattr(attention, "varlen_path", lambda **kw: "varlen")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(layer_forward, dynamic=True, fullgraph=True, backend="aot_eager")
+    net = model().train()
+    for lengths in ([9, 14, 11], [5, 16, 7, 12], [16, 15]):
+        (layer, x, *layout), kwargs = layer_args(collate(lengths), net)
+        x = x.detach().requires_grad_()
+        results = []
+        for fn in (compiled, layer_forward):
+            x.grad = None
+            y = fn(layer, x, *layout, **kwargs)
+            y.square().sum().backward()
+            results.append((y.detach(), x.grad.clone()))
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
