@@ -108,7 +108,7 @@ def test_a_world_of_one_needs_no_store(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     assert distributed.gpu_for_this_rank(visible=lambda: ["GPU-a", "GPU-b"]) == torch.device("cuda", 0)
     distributed.check_one_gpu_per_rank(torch.device("cuda", 1), uuid_of=lambda i: f"GPU-{i}")
-    assert distributed._STORE is None
+    assert distributed.launch._STORE is None
 
 
 def _worker(rank: int, port: int, out: dict) -> None:
