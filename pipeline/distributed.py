@@ -361,6 +361,12 @@ def any_rank_flags(flags: Sequence[bool]) -> list[bool]:
     return [v > 0 for v in max_over_ranks([1 if f else 0 for f in flags])]
 
 
+def launched() -> bool:
+    """Whether a launcher (deepspeed, torchrun, srun) described this process's place in a world."""
+    env_from_slurm()
+    return "RANK" in os.environ
+
+
 def single_process_env() -> None:
     """Without a launcher, describe a world of one process (benchmarks, notebooks), so that the same
     env:// process group and DeepSpeed set-up run unchanged. Variables already set win."""

@@ -36,7 +36,7 @@ import torch
 
 from pipeline import distributed
 from pipeline.data.collator import MaskingCollator
-from pipeline.data.loader import build_loader, shutdown_loader
+from pipeline.data.loader import build_loader, loader_workers, shutdown_loader
 from pipeline.data.masking import MaskingSpec
 from pipeline.data.shards import run_key
 from pipeline.hardware import slow_bf16_reason
@@ -190,7 +190,7 @@ def setup(prep: Prepared, *, batches: Optional[Any] = None) -> Run:
     guard.install(engine.module)
 
     if batches is None:
-        workers = cfg.data.num_workers if cfg.data.num_workers is not None else default_workers()
+        workers = loader_workers(cfg.data.num_workers, say=log.info)
         loader = build_loader(
             prep.data,
             weights=cfg.data.data_weights,
@@ -223,6 +223,7 @@ def setup(prep: Prepared, *, batches: Optional[Any] = None) -> Run:
         "max_seq_len": prep.data.max_seq_len,
         "samples": prep.data.samples,
         "bert_config": prep.bert_config.to_dict(),
+        "identity": prep.identity,
     }
     assert tuple(record) == RECORD_KEYS, (tuple(record), RECORD_KEYS)
     resolved = {**cfg.to_dict(), **record}
@@ -268,15 +269,6 @@ def make_collator(prep: Prepared) -> MaskingCollator:
         max_seq_len=prep.data.max_seq_len or prep.bert_config.max_position_embeddings,
         padding=cfg.data.nsp_padding,
     )
-
-
-def default_workers() -> int:
-    """Loader workers per rank when --num_workers is not given: the cores this rank may use, less one
-    for the rank itself, at most 8. A Slurm task bound to its cores sees only those."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if usable >= (os.cpu_count() or 1):  # not bound: the node's cores are shared by its ranks
-        usable //= max(1, distributed.local_world_size())
-    return max(1, min(8, usable - 1))
 
 
 @dataclass
@@ -374,12 +366,11 @@ def control(run: Run, flag: PreemptionFlag) -> Optional[str]:
             f"the last check, {worst} in a row at most)"
         )
         run.skipped = skipped
-    limit = run.prep.cfg.run.max_nonfinite
+    limit, cfg_lr = run.prep.cfg.run.max_nonfinite, run.prep.cfg.schedule.lr
     if worst >= limit:
         raise RuntimeError(
             f"loss was NaN/inf for {worst} micro-batches in a row, the last at step {last_step}: "
-            f"stopping (--max_nonfinite {limit}). Lower --lr, check the data, or resume from the last "
-            f"checkpoint"
+            f"stopping (--max_nonfinite {limit}). {checkpoint.fallback_advice(run.save_dir, lr=cfg_lr)}"
         )
     return "SIGUSR1" if usr1 else "SIGTERM" if term else None
 
@@ -395,7 +386,7 @@ def log_record(run: Run, meter: Meter, *, lr: float) -> dict[str, Any]:
         "step": run.step,
         **{k: vals[k] for k in keys},
         "lr": lr,
-        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "grad_norm": meter.grad_norm(grad_norm),  # NaN (null in metrics.jsonl) for a step skipped whole
         "loss_scale": float(getattr(run.engine.optimizer, "loss_scale", 1.0)),
         "tokens_per_s": vals["tokens"] / elapsed,
         "samples_per_s": vals["samples"] / elapsed,
