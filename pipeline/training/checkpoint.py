@@ -434,7 +434,8 @@ def _client_config(path: Path) -> Optional[dict[str, Any]]:
     except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError) as e:
         raise CheckpointUnreadable(f"checkpoint file {files[0]} is unreadable ({_first_line(e)})") from e
     config = states.get("config") if isinstance(states, dict) else None
-    return config if isinstance(config, dict) else None
+    # As run_config.json holds it: JSON's types (the BertConfig's int label ids become strings).
+    return json.loads(json.dumps(config, default=str)) if isinstance(config, dict) else None
 
 
 def fallback_advice(save_dir: str | Path, *, lr: float) -> str:

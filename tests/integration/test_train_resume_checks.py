@@ -40,19 +40,15 @@ def args(ds: Path, data: str | Path, save: Path, *, extra: tuple[str, ...] = ())
 
 
 def saved_run(p: Prepared) -> dict:
-    """The configuration trainer.setup records for a prepared job (run_config.json, client state)."""
-    return json.loads(
-        json.dumps(
-            {
-                **p.cfg.to_dict(),
-                "deepspeed": p.ds_config,
-                "engine": {"world_size": p.world_size},
-                "bert_config": p.bert_config.to_dict(),
-                "identity": getattr(p, "identity", None),  # (recorded since issue 31)
-            },
-            default=str,
-        )
-    )
+    """The configuration trainer.setup records for a prepared job (`run.resolved`: the client state
+    holds it as it is, run_config.json as JSON)."""
+    return {
+        **p.cfg.to_dict(),
+        "deepspeed": p.ds_config,
+        "engine": {"world_size": p.world_size},
+        "bert_config": p.bert_config.to_dict(),  # int label ids, as the trainer's
+        "identity": getattr(p, "identity", None),  # (recorded since issue 31)
+    }
 
 
 def checkpoint_of(save: Path, config: dict | None, *, client_state: bool = False) -> Path:
@@ -64,7 +60,7 @@ def checkpoint_of(save: Path, config: dict | None, *, client_state: bool = False
     if config is not None and client_state:
         torch.save({"module": {"w": torch.zeros(2)}, "config": config}, ck / "mp_rank_00_model_states.pt")
     elif config is not None:
-        (ck / "run_config.json").write_text(json.dumps(config))
+        (ck / "run_config.json").write_text(json.dumps(config, default=str))
     return ck
 
 
