@@ -449,6 +449,20 @@ def fallback_advice(save_dir: str | Path, *, lr: float) -> str:
         )
     return (
         f"The last checkpoint saved before it went non-finite is {found[1]} (step {found[0]}, "
-        f"{checkpoints_dir(save_dir) / LAST_FINITE}); resume from it at a lower rate: rerun the same command with "
-        f"--resume last_finite --lr {lr / 10:g} --allow_schedule_change"
+        f"{checkpoints_dir(save_dir) / LAST_FINITE}{_losses(save_dir, found[0])}); resume from it at a lower rate: "
+        f"rerun the same command with --resume last_finite --lr {lr / 10:g} --allow_schedule_change"
     )
+
+
+def _losses(save_dir: str | Path, step: int) -> str:
+    """ ", loss L at that step, F at step 1" from RUN/metrics.jsonl, to tell a fall-back whose weights
+    had already diverged (finite but huge losses) from a sound one; "" where the file lacks them."""
+    try:
+        lines = (Path(save_dir) / "metrics.jsonl").read_text().splitlines()
+        losses = {r["step"]: r.get("loss") for r in map(json.loads, lines) if isinstance(r, dict) and "step" in r}
+    except (OSError, ValueError):
+        return ""
+    at, first = losses.get(step), losses.get(min(losses, default=0))
+    if not isinstance(at, float) or not isinstance(first, float):
+        return ""
+    return f", loss {at:.4g} at that step, {first:.4g} at step {min(losses)}"
