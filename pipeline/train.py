@@ -1,8 +1,11 @@
 """Pre-train a BERT student: `deepspeed|torchrun|srun python pipeline/train.py --ds_config ... --objective ...`.
 
-Exit codes: 0 done (or pre-empted after saving); 2 a user error (one line naming the flag, file or
-value and the fix); 1 anything else: a bug, with its traceback on the rank where it happened (the
-other ranks then fail within --dist_timeout_s). The logic is in pipeline/training/.
+Without a launcher (`python pipeline/train.py ...`) it trains as a single process.
+
+Exit codes: 0 done (or pre-empted: after saving, or before training started); 2 a user error (one
+line naming the flag, file or value and the fix; a second training into the same --save_dir is one);
+1 anything else: a bug, with its traceback on the rank where it happened (the other ranks then fail
+within --dist_timeout_s). The logic is in pipeline/training/.
 """
 
 from __future__ import annotations
@@ -23,13 +26,23 @@ def main(argv: list[str] | None = None, *, hooks: Sequence[Any] = ()) -> int:
     """The entry point; `hooks`: loss hooks for every step (pipeline.training.step.LossHook)."""
 
     def run() -> int:
-        from pipeline.training import config, preflight, trainer
+        from pipeline.training import preemption
 
-        cfg = config.parse_args(argv)
-        if cfg.print_config:
-            print(config.describe_json(cfg))
+        preemption.exit_on_signals_until_training()
+        try:
+            from pipeline.training import config, preflight, trainer
+
+            cfg = config.parse_args(argv)
+            if cfg.print_config:
+                print(config.describe_json(cfg))
+                return 0
+            with preflight.run_folder(cfg):  # the run folder's lock, until the job ends
+                return trainer.train(preflight.prepare(cfg), hooks=hooks)
+        except preemption.PreemptedEarly as e:
+            from pipeline.training import log
+
+            log.info(preemption.message(e))
             return 0
-        return trainer.train(preflight.prepare(cfg), hooks=hooks)
 
     return cli.run(run, prog="train.py")
 

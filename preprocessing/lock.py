@@ -1,10 +1,14 @@
-"""One build at a time per output folder: OUTPUT/.build.lock, flock()ed for the whole build.
+"""One job at a time per output folder: OUTPUT/.build.lock for a build (flock()ed for the whole
+build), RUN/.train.lock for a training run (pipeline.training.preflight), the same lock.
 
-The lock file holds a JSON record of its holder (pid, host, start time, command). The kernel drops
-an flock when its holder dies, however it dies, so a file whose flock is free was left by a dead
-build. On this host that is checked against the recorded pid and the lock is taken over with a
-note. A record from another host is refused instead: flock does not reach across hosts on every
-shared file system, so a free flock there proves nothing. The lock covers OUTPUT only, not --remote.
+The lock file holds a JSON record of its holder (pid, host, start time, command, Slurm job). The
+kernel drops an flock when its holder dies, however it dies, so a file whose flock is free was left
+by a dead job. On this host that is checked against the recorded pid and the lock is taken over with
+a note. A record from another host is refused instead: flock does not reach across hosts on every
+shared file system, so a free flock there proves nothing; unless it names this Slurm job, which
+Slurm runs once at a time (a requeued job lands on other nodes). The file is opened with O_NOFOLLOW:
+a symbolic link planted at its name cannot redirect the record into another file. The build's lock
+covers OUTPUT only, not --remote.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from preprocessing.errors import UsageError, note
 
@@ -41,16 +46,28 @@ def _describe(record: dict) -> str:
 
 
 class OutputLock:
-    """`acquire()` or raise UsageError naming the build that holds OUTPUT; `release()` at the end."""
+    """`acquire()` or raise UsageError naming the job that holds the folder; `release()` at the end.
 
-    def __init__(self, folder: Path):
+    `flag` names the folder in messages (--output, --save_dir), `what` the kind of job (build,
+    training), `name` the lock file, `say` where notes go."""
+
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        flag: str = "--output",
+        what: str = "build",
+        name: str = LOCK_NAME,
+        say: Callable[[str], None] = note,
+    ):
         self.folder = folder
-        self.path = folder / LOCK_NAME
+        self.path = folder / name
+        self.flag, self.what, self.say = flag, what, say
         self._fd: int | None = None
 
     def acquire(self) -> None:
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 flocked = self._flock(fd)
                 if not _same_file(fd, self.path):
@@ -66,6 +83,7 @@ class OutputLock:
                     "host": socket.gethostname(),
                     "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
                     "command": sys.argv,
+                    "slurm_job": os.environ.get("SLURM_JOB_ID"),
                 }
                 data = json.dumps(record).encode()
                 os.ftruncate(fd, 0)
@@ -76,6 +94,17 @@ class OutputLock:
                 raise
             self._fd = fd
             return
+
+    def _open(self) -> int:
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            raise UsageError(
+                f"{self.flag} {self.folder}: {self.path} is a symbolic link (to {os.readlink(self.path)}); a lock is "
+                f"a plain file: remove the link and rerun"
+            ) from None
 
     def _flock(self, fd: int) -> bool:
         """True when we hold the flock now; False when this file system has no flock (the record
@@ -92,40 +121,42 @@ class OutputLock:
                 time.sleep(0.05)
             who = _describe(holder) if holder else "a process that has not written its record yet"
             raise UsageError(
-                f"--output {self.folder}: another build is writing into it: {who}; "
-                f"wait for it to finish or choose another --output (lock: {self.path})"
+                f"{self.flag} {self.folder}: another {self.what} is writing into it: {who}; "
+                f"wait for it to finish or choose another {self.flag} (lock: {self.path})"
             ) from None
         except OSError as err:
             if err.errno not in _NO_FLOCK:
                 raise
-            note(f"{self.path}: this file system does not support flock; the lock relies on its pid record alone")
+            self.say(f"{self.path}: this file system does not support flock; the lock relies on its pid record alone")
             return False
 
     def _check_stale(self, previous: dict, *, flocked: bool) -> None:
         here = socket.gethostname()
         pid = previous.get("pid")
+        where = f"{self.flag} {self.folder}"
         if previous.get("host") != here:
+            job = os.environ.get("SLURM_JOB_ID")
+            if flocked and job and previous.get("slurm_job") == job:
+                self.say(f"{where}: taking over the lock left by {_describe(previous)}, an earlier run of job {job}")
+                return
             raise UsageError(
-                f"--output {self.folder}: {self.path} was left by {_describe(previous)}, which this "
-                f"host ({here}) cannot check; if no build is running there, delete {self.path} and rerun"
+                f"{where}: {self.path} was left by {_describe(previous)}, which this host ({here}) cannot "
+                f"check; if no {self.what} is running there, delete {self.path} and rerun"
             )
         if not isinstance(pid, int) or pid == os.getpid():
             return
         if _pid_alive(pid):
             if not flocked:
                 raise UsageError(
-                    f"--output {self.folder}: another build is writing into it: "
-                    f"{_describe(previous)}; wait for it to finish or choose another --output"
+                    f"{where}: another {self.what} is writing into it: "
+                    f"{_describe(previous)}; wait for it to finish or choose another {self.flag}"
                 )
-            note(
-                f"--output {self.folder}: taking over the lock of {_describe(previous)}: that pid is "
-                "running but does not hold the lock (a reused pid)"
+            self.say(
+                f"{where}: taking over the lock of {_describe(previous)}: that pid is running but does not hold the "
+                "lock (a reused pid)"
             )
         else:
-            note(
-                f"--output {self.folder}: taking over the lock left by {_describe(previous)}, which is "
-                "no longer running"
-            )
+            self.say(f"{where}: taking over the lock left by {_describe(previous)}, which is no longer running")
 
     def release(self) -> None:
         if self._fd is None:
@@ -155,9 +186,9 @@ def _read_record(fd: int) -> dict:
 
 
 @contextlib.contextmanager
-def output_lock(folder: Path) -> Iterator[OutputLock]:
-    """Hold OUTPUT's lock for the duration of the block."""
-    lock = OutputLock(folder)
+def output_lock(folder: Path, **kwargs: Any) -> Iterator[OutputLock]:
+    """Hold the folder's lock for the duration of the block (`kwargs`: OutputLock's)."""
+    lock = OutputLock(folder, **kwargs)
     lock.acquire()
     try:
         yield lock

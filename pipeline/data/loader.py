@@ -17,7 +17,7 @@ import shutil
 import signal
 import tempfile
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -214,6 +214,29 @@ def open_dataset(
         # Only the prefix search needed them; streaming's own lock files are not among them.
         m.unlink(missing_ok=True)
     return dataset
+
+
+def cores_per_rank() -> int:
+    """The cores this rank may use: its affinity (a Slurm task bound to its cores sees only those),
+    or the node's cores shared by its ranks when it is not bound."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if usable >= (os.cpu_count() or 1):  # not bound: the node's cores are shared by its ranks
+        usable //= max(1, distributed.local_world_size())
+    return max(1, usable)
+
+
+def loader_workers(requested: Optional[int], *, say: Callable[[str], None]) -> int:
+    """The loader workers per rank. Default: the cores per rank less one (for the rank itself), at
+    most 8. A requested count is capped at the cores per rank, and `say` is told: more workers than
+    cores only add processes (each with its memory and /tmp folder) that wait for the same cores,
+    which is why the builder caps its Ray tasks too."""
+    cores = cores_per_rank()
+    if requested is None:
+        return max(1, min(8, cores - 1))
+    if requested > cores:
+        say(f"--num_workers {requested}: capped at {cores}, the cores per rank (more workers would wait for them)")
+        return cores
+    return requested
 
 
 def build_loader(

@@ -58,6 +58,7 @@ from pipeline.distributed.launch import (  # noqa: F401
     hostname,
     launch_rank,
     launch_world_size,
+    launched,
     local_rank,
     local_world_size,
     master_port_for_job,

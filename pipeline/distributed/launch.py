@@ -144,6 +144,12 @@ def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
+def launched() -> bool:
+    """Whether a launcher (deepspeed, torchrun, srun) described this process's place in a world."""
+    env_from_slurm()
+    return "RANK" in os.environ
+
+
 def single_process_env() -> None:
     """Without a launcher, describe a world of one process (benchmarks, notebooks), so that the same
     env:// process group and DeepSpeed set-up run unchanged. Variables already set win."""

@@ -6,7 +6,14 @@ per-rank ZeRO optimizer shards), `hf/` (the student's BertConfig and the tokeniz
 pipeline.export needs nothing else) and `complete.json`, written last. `run_config.json` is the run's
 configuration at that step (what a resume is checked against). RUN/checkpoints/latest names the newest
 complete tag. A checkpoint without `complete.json` never counts: `latest` moves, and old checkpoints are
-pruned, only after every rank has finished writing.
+pruned, only after every rank has finished writing. RUN/checkpoints/last_finite names the newest
+checkpoint saved after an interval without a non-finite loss (the fall-back when the loss diverges,
+`--resume last_finite`); pruning keeps it.
+
+Nothing in a run folder unpickles. DeepSpeed copies its `zero_to_fp32.py` / `zero_to_torch.py` into
+RUN/checkpoints at every save; they unpickle with `torch.load(weights_only=False)`, so running them on
+a checkpoint from elsewhere could run anything. They are removed after each save and
+RUN/checkpoints/export_hf.py is written in their place: it runs pipeline/export.py (weights-only).
 
 Loading never runs code. DeepSpeed unpickles its files with `torch.load(weights_only=False)`, so a
 crafted `.pt` could run anything it names. Every load of ours, DeepSpeed's included, happens inside
@@ -35,6 +42,8 @@ from preprocessing.errors import UsageError
 CHECKPOINTS = "checkpoints"
 MARKER = "complete.json"
 LATEST = "latest"
+LAST_FINITE = "last_finite"
+EXPORT_SCRIPT = "export_hf.py"
 HF_SUBDIR = "hf"
 RUN_CONFIG = "run_config.json"
 _TAG_RE = re.compile(r"^step_(\d{8,})$")
@@ -67,15 +76,26 @@ def list_checkpoints(save_dir: str | Path) -> list[tuple[int, Path]]:
 
 def latest_checkpoint(save_dir: str | Path) -> Optional[tuple[int, Path]]:
     """The checkpoint `latest` names if it is complete, else the newest complete one, else None."""
-    root = checkpoints_dir(save_dir)
-    latest = root / LATEST
-    if latest.is_file():
-        tag = latest.read_text().strip()
-        m = _TAG_RE.match(tag)
-        if m and is_complete(root / tag):
-            return int(m.group(1)), root / tag
+    named = _named(checkpoints_dir(save_dir), LATEST)
+    if named is not None:
+        return named
     done = list_checkpoints(save_dir)
     return done[-1] if done else None
+
+
+def last_finite_checkpoint(save_dir: str | Path) -> Optional[tuple[int, Path]]:
+    """The complete checkpoint RUN/checkpoints/last_finite names, or None."""
+    return _named(checkpoints_dir(save_dir), LAST_FINITE)
+
+
+def _named(root: Path, pointer: str) -> Optional[tuple[int, Path]]:
+    """(step, folder) of the complete checkpoint a pointer file (latest, last_finite) names, or None."""
+    file = root / pointer
+    if not file.is_file():
+        return None
+    tag = file.read_text().strip()
+    m = _TAG_RE.match(tag)
+    return (int(m.group(1)), root / tag) if m and is_complete(root / tag) else None
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -118,6 +138,7 @@ def save(
     try:
         engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
         if distributed.is_main():
+            replace_recovery_scripts(root)
             write_extras(path / HF_SUBDIR)
             _write_atomic(path / RUN_CONFIG, json.dumps(run_config, indent=2, default=str) + "\n")
     except (OSError, RuntimeError) as e:
@@ -131,11 +152,61 @@ def save(
     # Every rank's optimizer shard is on disk before the checkpoint is declared complete.
     distributed.barrier()
     if distributed.is_main():
-        _write_atomic(path / MARKER, json.dumps({"step": step, "tag": tag}) + "\n")
+        skipped = client_state.get("skipped_micro_batches")
+        finite = _finite_since_previous(root, step=step, skipped=skipped)
+        _write_atomic(path / MARKER, json.dumps({"step": step, "tag": tag, "skipped_micro_batches": skipped}) + "\n")
         _write_atomic(root / LATEST, tag + "\n")
+        if finite:
+            _write_atomic(root / LAST_FINITE, tag + "\n")
         _prune(root, keep=keep, newest=step)
     distributed.barrier()
     return path
+
+
+def _finite_since_previous(root: Path, *, step: int, skipped: Optional[int]) -> bool:
+    """Whether no micro-batch was skipped as non-finite since the newest complete checkpoint before
+    `step` (or since the run began, before the first): its skipped count (in its marker) is the
+    run's count now. Unknown for a marker of an older version: False."""
+    before = [p for s, p in list_checkpoints(root.parent) if s < step]
+    if not before:
+        return skipped == 0
+    try:
+        previous = json.loads((before[-1] / MARKER).read_text()).get("skipped_micro_batches")
+    except (OSError, json.JSONDecodeError):
+        return False
+    return previous is not None and previous == skipped
+
+
+def replace_recovery_scripts(root: Path) -> None:
+    """Remove DeepSpeed's zero_to_*.py from RUN/checkpoints (and from any checkpoint folder: where
+    other DeepSpeed versions put them); they unpickle with weights_only=False. EXPORT_SCRIPT, which
+    consolidates weights-only, takes their place."""
+    for script in [*root.glob("zero_to_*.py"), *root.glob("step_*/zero_to_*.py")]:
+        script.unlink(missing_ok=True)
+    if not (root / EXPORT_SCRIPT).is_file():
+        _write_atomic(root / EXPORT_SCRIPT, _EXPORT_SCRIPT.format(repo=str(Path(__file__).resolve().parents[2])))
+
+
+_EXPORT_SCRIPT = '''#!/usr/bin/env python
+"""Consolidate a checkpoint of this folder into a Hugging Face folder (fp32 weights, config, tokenizer):
+
+    python export_hf.py OUT_DIR [step_XXXXXXXX]    (default: the checkpoint `latest` names)
+
+It runs {repo}/pipeline/export.py --checkpoint THIS_FOLDER/step_XXXXXXXX --out OUT_DIR, which loads
+every file weights-only (tensors and DeepSpeed's plain data types; a file holding anything else is
+refused). DeepSpeed's zero_to_fp32.py was removed from here: it unpickles with weights_only=False.
+"""
+import subprocess
+import sys
+from pathlib import Path
+
+if len(sys.argv) not in (2, 3):
+    sys.exit(__doc__)
+here = Path(__file__).resolve().parent
+tag = sys.argv[2] if len(sys.argv) == 3 else (here / "latest").read_text().strip()
+export = Path({repo!r}) / "pipeline" / "export.py"
+sys.exit(subprocess.call([sys.executable, str(export), "--checkpoint", str(here / tag), "--out", sys.argv[1]]))
+'''
 
 
 class CheckpointSpaceError(UsageError):
@@ -177,9 +248,19 @@ def _kept(save_dir: str | Path) -> str:
 
 
 def _prune(root: Path, *, keep: int, newest: int) -> None:
+    """Keep the newest `keep` complete checkpoints up to `newest` and the one last_finite names.
+    Checkpoints after `newest` belong to a trajectory the run abandoned when it resumed from an
+    earlier checkpoint (--resume last_finite): removed, so that they never count as newer."""
+    fallback = last_finite_checkpoint(root.parent)
     complete = list_checkpoints(root.parent)
-    for _, p in complete[:-keep]:
-        shutil.rmtree(p, ignore_errors=True)
+    for step, p in complete:
+        if step > newest:
+            log.info(f"removing checkpoint {p.name}: this run resumed from an earlier one and saved step {newest}")
+            shutil.rmtree(p, ignore_errors=True)
+    current = [c for c in complete if c[0] <= newest]
+    for c in current[:-keep]:
+        if c != fallback:
+            shutil.rmtree(c[1], ignore_errors=True)
     # Incomplete folders older than the newest checkpoint are failed saves.
     for p in root.iterdir():
         m = _TAG_RE.match(p.name)
@@ -188,6 +269,8 @@ def _prune(root: Path, *, keep: int, newest: int) -> None:
 
 
 _FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+_FORCE_NO_WEIGHTS_ONLY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
+_TORCH_TRUE = ("1", "y", "yes", "true")  # what torch.load counts as set
 _GLOBAL_RE = re.compile(r"GLOBAL (\S+)")
 
 
@@ -216,6 +299,7 @@ def weights_only_loads() -> Iterator[None]:
     caller passes (DeepSpeed passes weights_only=False)."""
     import torch
 
+    check_weights_only_env()
     before = os.environ.get(_FORCE_WEIGHTS_ONLY)
     os.environ[_FORCE_WEIGHTS_ONLY] = "1"
     try:
@@ -226,6 +310,18 @@ def weights_only_loads() -> Iterator[None]:
             os.environ.pop(_FORCE_WEIGHTS_ONLY, None)
         else:
             os.environ[_FORCE_WEIGHTS_ONLY] = before
+
+
+def check_weights_only_env() -> None:
+    """UsageError when the environment forbids weights-only loads: torch refuses every load while
+    TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD and TORCH_FORCE_WEIGHTS_ONLY_LOAD (which our loads set) are both
+    on, and every good checkpoint would then look unreadable."""
+    value = os.environ.get(_FORCE_NO_WEIGHTS_ONLY, "")
+    if value.lower() in _TORCH_TRUE:
+        raise UsageError(
+            f"{_FORCE_NO_WEIGHTS_ONLY}={value} is set in the environment: it forbids the weights-only loads every "
+            f"checkpoint load of this pipeline makes (a checkpoint must not run code); unset it"
+        )
 
 
 def verify_loadable(path: Path) -> None:
@@ -294,16 +390,79 @@ def load(engine: Any, path: Path) -> dict[str, Any]:
         )
     if loaded is None:
         raise UsageError(f"DeepSpeed could not load checkpoint {path}")
+    _apply_scheduler_lr(engine)
     return client_state
 
 
+def _apply_scheduler_lr(engine: Any) -> None:
+    """Set the optimizer's rates to what this job's scheduler gives at the loaded step. The loaded
+    optimizer state carries the rate of the run's own schedule for its next step: the same number
+    when the schedule is unchanged, the old one for a step after --allow_schedule_change."""
+    import warnings
+
+    sched = getattr(engine, "lr_scheduler", None)
+    if sched is None or not hasattr(sched, "get_lr"):
+        return
+    with warnings.catch_warnings():  # torch's schedulers warn when get_lr is called outside step()
+        warnings.simplefilter("ignore")
+        rates = sched.get_lr()
+    for group, lr in zip(sched.optimizer.param_groups, rates):
+        group["lr"] = lr
+
+
 def saved_config(path: Path) -> Optional[dict[str, Any]]:
-    """The configuration a complete checkpoint was saved with (its run_config.json), or None for a
-    checkpoint written before checkpoints carried one."""
+    """The configuration a complete checkpoint was saved with: its run_config.json, else the copy in
+    its client state (the model states file, opened weights-only), else None."""
     file = path / RUN_CONFIG
     if not file.is_file():
-        return None
+        return _client_config(path)
     try:
         return json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise UsageError(f"{file}: unreadable ({e}); resume from another checkpoint or start a new --save_dir") from e
+
+
+def _client_config(path: Path) -> Optional[dict[str, Any]]:
+    import torch
+
+    files = sorted(path.glob("mp_rank_*_model_states.pt"))
+    if not files:
+        return None
+    try:
+        with weights_only_loads():  # tensors memory-mapped, not read
+            states = torch.load(files[0], map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(files[0]))
+    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError) as e:
+        raise CheckpointUnreadable(f"checkpoint file {files[0]} is unreadable ({_first_line(e)})") from e
+    config = states.get("config") if isinstance(states, dict) else None
+    # As run_config.json holds it: JSON's types (the BertConfig's int label ids become strings).
+    return json.loads(json.dumps(config, default=str)) if isinstance(config, dict) else None
+
+
+def fallback_advice(save_dir: str | Path, *, lr: float) -> str:
+    """What to do after the loss stayed non-finite: the flags that resume from the last checkpoint
+    saved before it did, at a lower rate, or, without one, a new start."""
+    found = last_finite_checkpoint(save_dir)
+    if found is None:
+        return (
+            f"No checkpoint was saved before the loss went non-finite: start again in a new --save_dir with a "
+            f"lower --lr (e.g. {lr / 10:g}), or check the data"
+        )
+    return (
+        f"The last checkpoint saved before it went non-finite is {found[1]} (step {found[0]}, "
+        f"{checkpoints_dir(save_dir) / LAST_FINITE}{_losses(save_dir, found[0])}); resume from it at a lower rate: "
+        f"rerun the same command with --resume last_finite --lr {lr / 10:g} --allow_schedule_change"
+    )
+
+
+def _losses(save_dir: str | Path, step: int) -> str:
+    """ ", loss L at that step, F at step 1" from RUN/metrics.jsonl, to tell a fall-back whose weights
+    had already diverged (finite but huge losses) from a sound one; "" where the file lacks them."""
+    try:
+        lines = (Path(save_dir) / "metrics.jsonl").read_text().splitlines()
+        losses = {r["step"]: r.get("loss") for r in map(json.loads, lines) if isinstance(r, dict) and "step" in r}
+    except (OSError, ValueError):
+        return ""
+    at, first = losses.get(step), losses.get(min(losses, default=0))
+    if not isinstance(at, float) or not isinstance(first, float):
+        return ""
+    return f", loss {at:.4g} at that step, {first:.4g} at step {min(losses)}"

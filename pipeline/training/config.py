@@ -165,12 +165,28 @@ class RunArgs:
     )
     save_dir: str = cli.knob("", "run folder: checkpoints, metrics, config", required=True, math=False)
     resume: str = cli.knob(
-        "none", "auto: continue from the run's latest complete checkpoint", choices=("none", "auto"), math=False
+        "none",
+        "auto: continue from the run's latest complete checkpoint; last_finite: from the last one saved before "
+        "the loss went non-finite (RUN/checkpoints/last_finite)",
+        choices=("none", "auto", "last_finite"),
+        math=False,
     )
     extend_schedule: bool = cli.knob(
         False,
         "on resume, allow a larger --max_steps than the run started with "
         "(the linear decay is recomputed for the new total)",
+        math=False,
+    )
+    allow_schedule_change: bool = cli.knob(
+        False,
+        "on resume, allow another --lr, --warmup_steps or --max_steps than the run's (the schedule is "
+        "recomputed at the resumed step): e.g. a lower rate after the loss diverged",
+        math=False,
+    )
+    resume_unchecked: bool = cli.knob(
+        False,
+        "resume a checkpoint that records no configuration (neither run_config.json nor one in its client "
+        "state), so nothing about this job can be checked against it",
         math=False,
     )
     export_dir: Optional[str] = cli.knob(None, "write the final student as a Hugging Face folder", math=False)
@@ -221,7 +237,17 @@ SECTIONS: dict[str, type] = {
 }
 # What the trainer records in RUN/config.json beside the sections (pipeline.training.trainer.resolved_record):
 # facts of the run, not settings; a replayed file skips them.
-RECORD_KEYS = ("deepspeed", "engine", "data_format", "nsp", "tokenizer", "max_seq_len", "samples", "bert_config")
+RECORD_KEYS = (
+    "deepspeed",
+    "engine",
+    "data_format",
+    "nsp",
+    "tokenizer",
+    "max_seq_len",
+    "samples",
+    "bert_config",
+    "identity",
+)
 
 
 @dataclass
@@ -375,12 +401,52 @@ def describe_json(cfg: TrainConfig) -> str:
     return json.dumps(cfg.to_dict(), indent=2)
 
 
+# Knobs that name files or folders: another spelling of the same place is not a change.
+PATH_KNOBS = ("data.data", "model.model_config", "model.init_from", "model.tokenizer")
+SCHEDULE_KNOBS = ("schedule.lr", "schedule.warmup_steps", "schedule.max_steps")
+
+
 def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """(changes that alter the math, changes that do not) between a checkpoint's configuration and this
-    one. A longer --max_steps is allowed with --extend_schedule."""
+    one. Paths are compared resolved (`DIR/`, `a/../DIR` and a relative path are DIR). A longer
+    --max_steps is allowed with --extend_schedule, any change of the schedule's numbers with
+    --allow_schedule_change (both then listed with the allowed changes)."""
     now = cfg.to_dict()
     math = cli.math_changes(saved, now, SECTIONS)
+    allowed = cli.operational_changes(saved, now, SECTIONS)
+    for key in PATH_KNOBS:
+        if key in math and _place(math[key][0]) == _place(math[key][1]):
+            del math[key]
     before_steps = math.get("schedule.max_steps", (None,))[0]
     if cfg.run.extend_schedule and isinstance(before_steps, int) and cfg.schedule.max_steps > before_steps:
         math.pop("schedule.max_steps")
-    return math, cli.operational_changes(saved, now, SECTIONS)
+    if cfg.run.allow_schedule_change:
+        allowed.update({key: math.pop(key) for key in SCHEDULE_KNOBS if key in math})
+    return math, allowed
+
+
+def _place(value: Any) -> Any:
+    """A path knob's value as the place it names: resolved against this working directory (model
+    presets and URLs as they are), lists element by element."""
+    if isinstance(value, (list, tuple)):
+        return [_place(v) for v in value]
+    if not isinstance(value, str) or value in MODEL_PRESETS:
+        return value
+    if "://" in value:
+        return value.rstrip("/")
+    return str(Path(value).expanduser().resolve())
+
+
+def run_settings(resolved: dict[str, Any]) -> dict[str, Any]:
+    """What a run computes, from its resolved record (RUN/config.json): every knob that changes the
+    math, the engine's batch and precision, the model's config and the data's identity; not the
+    knobs a resume may change (intervals, folders, reporting). Two processes with equal settings
+    train the same run."""
+    out: dict[str, Any] = {}
+    for key, cls in SECTIONS.items():
+        for f in cli.knob_fields(cls):
+            if f.metadata["math"]:
+                out[f"{key}.{f.name}"] = resolved.get(key, {}).get(f.name)
+    for key in ("engine", "bert_config", "identity"):
+        out[key] = resolved.get(key)
+    return out

@@ -112,7 +112,10 @@ def client_scheduler(ds: dict[str, Any], *, schedule: ScheduleArgs) -> tuple[dic
         class NoWarmup(torch.optim.lr_scheduler.LambdaLR):
             def load_state_dict(self, state: dict[str, Any]) -> None:
                 if "last_batch_iteration" not in state:
+                    base_lrs = self.base_lrs
                     super().load_state_dict(state)
+                    # This job's --lr, not the saved one (they differ after --allow_schedule_change).
+                    self.base_lrs = base_lrs
                     return
                 # Saved by DeepSpeed's own scheduler (a run started before --warmup_steps 0 meant
                 # this): continue at its step, on this schedule, and say so.

@@ -12,6 +12,7 @@ sum_i(L_i^2). The losses themselves are negligible. MFU = FLOPs / s / (peak per 
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 import time
@@ -22,6 +23,7 @@ from typing import Any, Optional
 import torch
 
 from pipeline import distributed
+from preprocessing.errors import UsageError
 
 # Dense bf16/fp16 tensor-core peaks (FLOP/s), by a substring of torch.cuda.get_device_name().
 # The first match wins, so more specific names come first.
@@ -117,17 +119,21 @@ class Meter:
     """Sums over the micro-batches of a logging interval. The loss terms stay on the device (adding
     them reads nothing back); the counts are host numbers. `reduce` averages the terms over the
     finite micro-batches of all ranks and sums the counts: one collective and one device read, at
-    log steps only (every rank calls it on the same steps)."""
+    log steps only (every rank calls it on the same steps). A term no finite micro-batch measured
+    (every one of the interval was skipped) is NaN, never 0: metrics.jsonl writes it as null."""
 
     COUNTS = ("tokens", "samples", "flops")
 
     def __init__(self, keys: list[str], device: torch.device) -> None:
         self.keys = list(keys)
         self.device = device
+        self.last_step_finite = True  # as of the last reduce: did its last step have a finite micro-batch?
         self._restart()
 
     def _restart(self) -> None:
         self.sums = torch.zeros(len(self.keys) + 1, dtype=torch.float64, device=self.device)  # + finite count
+        self.step_ok = torch.zeros((), dtype=torch.float64, device=self.device)  # finite micro-batches, this step
+        self._step_of_ok = -1  # the value of `steps` that step_ok counts for
         self.counts = dict.fromkeys(self.COUNTS, 0.0)
         self.micro = 0
         self.steps = 0
@@ -143,6 +149,9 @@ class Meter:
         """One micro-batch: its terms (device or CPU scalars) count where `ok` (a device bool) holds."""
         terms = torch.stack([values[k].to(self.device, torch.float64) for k in self.keys] + [ok.to(torch.float64)])
         self.sums += torch.where(ok, terms, torch.zeros_like(terms))
+        if self._step_of_ok != self.steps:  # the first micro-batch of an optimizer step (the loop counts steps)
+            self.step_ok, self._step_of_ok = torch.zeros_like(self.step_ok), self.steps
+        self.step_ok = self.step_ok + ok.to(torch.float64)
         for k, v in (("tokens", tokens), ("samples", samples), ("flops", flops)):
             self.counts[k] += v
         self.micro += 1
@@ -152,12 +161,21 @@ class Meter:
         since the last reduce."""
         elapsed, steps = max(time.perf_counter() - self.t0 - self.excluded, 1e-9), self.steps
         counts = torch.tensor([self.counts[k] for k in self.COUNTS], dtype=torch.float64).to(self.device)
-        summed = distributed.sum_over_ranks(torch.cat([self.sums, counts])).tolist()
-        terms, finite, totals = summed[: len(self.keys)], summed[len(self.keys)], summed[len(self.keys) + 1 :]
-        out = {k: v / max(finite, 1.0) for k, v in zip(self.keys, terms)}
+        summed = distributed.sum_over_ranks(torch.cat([self.sums, self.step_ok.reshape(1), counts])).tolist()
+        n = len(self.keys)
+        terms, finite, last_ok, totals = summed[:n], summed[n], summed[n + 1], summed[n + 2 :]
+        out = {k: v / finite if finite else float("nan") for k, v in zip(self.keys, terms)}
         out.update(zip(self.COUNTS, totals))
+        self.last_step_finite = last_ok > 0
         self._restart()
         return out, elapsed, steps
+
+    def grad_norm(self, value: Any) -> Optional[float]:
+        """The engine's global gradient norm as a float: NaN when every micro-batch of the last step
+        was skipped (its gradient was zeroed, so the norm says nothing); None when it has none."""
+        if value is None:
+            return None
+        return float(value) if self.last_step_finite else float("nan")
 
 
 def _truncate_jsonl(path: Path, *, last_step: int) -> list[dict[str, Any]]:
@@ -222,14 +240,17 @@ class MetricsWriter:
         if "wandb" in report_to:
             from pipeline.training.wandb_sink import WandbSink
 
-            self._wandb = WandbSink(save_dir, config=run_config or {}, new_run=new_run)
+            self._wandb = WandbSink(save_dir, config=run_config or {}, new_run=new_run, resume_step=resume_step)
             for record in kept:  # what an earlier process wrote here but W&B lacks
                 self._wandb.log(record)
 
     def log(self, record: dict[str, Any]) -> None:
+        """Write one record. A non-finite number (a term no finite micro-batch measured) is null in
+        JSON, absent from TensorBoard and W&B."""
         if not self.enabled:
             return
-        self._f.write(json.dumps(record) + "\n")
+        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+        self._write(self._f, self.path, json.dumps(record) + "\n")
         if self._tb is not None:
             step = record["step"]
             for k, v in record.items():
@@ -240,13 +261,36 @@ class MetricsWriter:
 
     def trace(self, step: int, sample_ids: list[list[int]]) -> None:
         if self.enabled and self._trace is not None:
-            self._trace.write(json.dumps({"step": step, "sample_ids": sample_ids}) + "\n")
+            self._write(self._trace, self.trace_path, json.dumps({"step": step, "sample_ids": sample_ids}) + "\n")
+
+    def _write(self, f: Any, path: Path, line: str) -> None:
+        """One line (flushed: the files are line-buffered). A full disk is a one-line error naming the
+        file; the run's checkpoints are untouched, and a resume drops the cut line."""
+        try:
+            f.write(line)
+        except OSError as e:
+            from pipeline.training import checkpoint
+
+            if not checkpoint.is_out_of_space(e):
+                raise
+            found = checkpoint.latest_checkpoint(self.path.parent)
+            kept = f"the last checkpoint, {found[1]}, is intact" if found else "no checkpoint was saved yet"
+            raise UsageError(
+                f"no space left on the device (ENOSPC) while writing {path}; {kept}: free space and resume "
+                f"with --resume auto"
+            ) from None
 
     def close(self, *, failed: bool = False) -> None:
         """`failed`: the run ended with an exception (W&B marks the run failed; a pre-empted run is not)."""
         for f in (self._f, self._trace):
             if f is not None:
-                f.close()
+                try:
+                    f.close()
+                except OSError as e:  # the flush of a line a full disk refused: reported already
+                    from pipeline.training import checkpoint
+
+                    if not checkpoint.is_out_of_space(e):
+                        raise
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:

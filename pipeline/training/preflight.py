@@ -2,14 +2,22 @@
 
 Batch identity for the world size, the data (missing, empty, mixed, corrupted), the objective
 against the data, the tokenizer against the model and the shards, the sequence length against the
-model's positions, and the run folder's resume state (a resumed run keeps the math it started
-with). A bad job fails here in seconds, before any GPU time is spent, with a UsageError naming the
-flag, file or value.
+model's positions, the environment (precision the device supports, weights-only loads allowed), and
+the run folder's resume state: a resumed run keeps the math it started with, compared by content
+(the shards' identity, the resolved model config), not by how a path is spelled. A bad job fails
+here in seconds, before any GPU time is spent, with a UsageError naming the flag, file or value.
+
+`run_folder` holds RUN/.train.lock (the builder's lock, preprocessing.lock) on rank 0 from before
+pre-flight to the end of the run: a second training into the same --save_dir exits 2 naming the first.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -22,6 +30,10 @@ from pipeline.training.ds_config import load_ds_json, resolve_ds_config
 from pipeline.training.tokenizer_identity import check_tokenizer_identity
 from pipeline.training.wandb_sink import check_available as check_report_to
 from preprocessing.errors import UsageError
+from preprocessing.lock import output_lock
+from preprocessing.shard_format import INDEX, vocabulary_of
+
+RUN_LOCK = ".train.lock"
 
 
 @dataclass
@@ -38,22 +50,19 @@ class Prepared:
     world_size: int
     resume_from: Optional[tuple[int, Path]]
     resume_notes: list[str] = field(default_factory=list)  # allowed setting changes of a resumed run
+    identity: dict[str, Any] = field(default_factory=dict)  # what the run trains on, by content (`content_identity`)
 
 
 def prepare(cfg: TrainConfig) -> Prepared:
     """Every check that needs neither a process group nor a device. Raises UsageError naming the
     flag, file or value."""
-    from transformers import AutoTokenizer
-
-    from pipeline.modeling.bert_config import bert_config, check_positions, check_vocab
-    from pipeline.modeling.student import check_init_from
-
     check_report_to(cfg.run.report_to)
     check_save_dir(cfg.run.save_dir)
     world = distributed.launch_world_size()
     ds = resolve_ds_config(
         load_ds_json(cfg.run.ds_config), schedule=cfg.schedule, world_size=world, path=cfg.run.ds_config
     )
+    check_environment(cfg, ds=ds)
     cache_root = cfg.data.cache_dir or default_cache_root(cfg.run.save_dir)
     info = inspect_data(cfg.data.data, cache_root=cache_root, max_seq_len=cfg.data.max_seq_len)
     if info.verified_bytes:
@@ -61,6 +70,35 @@ def prepare(cfg: TrainConfig) -> Prepared:
     use_nsp = objectives.get(cfg.objective.objective).check_data(
         fmt=info.format, nsp=cfg.objective.nsp, paths=cfg.data.data
     )
+    tok_dir, tokenizer = load_tokenizer(cfg, info)
+    bcfg = model_config(cfg, info, tokenizer=tokenizer, tokenizer_dir=tok_dir)
+    identity = content_identity(info, tokenizer)
+    resume_from = resume_point(cfg)
+    notes = []
+    if resume_from:
+        notes = check_resume(
+            cfg, ds=ds, world_size=world, checkpoint_dir=resume_from[1], identity=identity, bert_config=bcfg.to_dict()
+        )
+    return Prepared(
+        cfg=cfg,
+        ds_config=ds,
+        data=info,
+        use_nsp=use_nsp,
+        tokenizer=tokenizer,
+        tokenizer_dir=tok_dir,
+        bert_config=bcfg,
+        world_size=world,
+        resume_from=resume_from,
+        resume_notes=notes,
+        identity=identity,
+    )
+
+
+def load_tokenizer(cfg: TrainConfig, info: DataInfo) -> tuple[str, Any]:
+    """(the tokenizer folder of the job, the loaded tokenizer): --tokenizer, else the shards' own,
+    else --init_from's. UsageError for a missing, unloadable or non-BERT tokenizer."""
+    from transformers import AutoTokenizer
+
     tok_dir = cfg.model.tokenizer or info.tokenizer_dir
     if tok_dir is None and cfg.model.init_from and (Path(cfg.model.init_from) / "vocab.txt").is_file():
         tok_dir = cfg.model.init_from
@@ -77,6 +115,15 @@ def prepare(cfg: TrainConfig) -> Prepared:
             raise UsageError(
                 f"--tokenizer {tok_dir}: no {name.replace('_id', '')}; a BERT tokenizer needs [PAD] [CLS] [SEP] [MASK]"
             )
+    return tok_dir, tokenizer
+
+
+def model_config(cfg: TrainConfig, info: DataInfo, *, tokenizer: Any, tokenizer_dir: str) -> Any:
+    """The student's BertConfig (--init_from's, or --model_config's with the tokenizer's vocabulary),
+    checked against the tokenizer (size and identity) and the shards (vocabulary, length)."""
+    from pipeline.modeling.bert_config import bert_config, check_positions, check_vocab
+    from pipeline.modeling.student import check_init_from
+
     if cfg.model.init_from:
         source = f"--init_from {cfg.model.init_from}"
         bcfg = check_init_from(cfg.model.init_from)
@@ -87,14 +134,14 @@ def prepare(cfg: TrainConfig) -> Prepared:
     check_vocab(
         model_vocab=bcfg.vocab_size,
         tokenizer_size=len(tokenizer),
-        tokenizer_dir=tok_dir,
+        tokenizer_dir=tokenizer_dir,
         # The shards' size is part of the tokenizer's identity, which the escape hatch lets differ.
         data_vocab=None if allow_mismatch else info.manifest_vocab_size,
         model_source=source,
     )
     check_tokenizer_identity(
         info,
-        tokenizer_dir=tok_dir,
+        tokenizer_dir=tokenizer_dir,
         tokenizer_flag=cfg.model.tokenizer,
         init_from=cfg.model.init_from,
         allow=allow_mismatch,
@@ -103,27 +150,94 @@ def prepare(cfg: TrainConfig) -> Prepared:
     # The student's attention dropout is the run's knob, whatever the preset or folder says (0 by
     # default: the fused attention kernels have none); RUN/config.json and the export record it.
     bcfg.attention_probs_dropout_prob = cfg.model.attention_dropout
-    found = checkpoint.latest_checkpoint(cfg.run.save_dir)
-    if found and cfg.run.resume == "none":
-        raise UsageError(
-            f"--save_dir {cfg.run.save_dir} already holds checkpoint {found[1].name}: pass --resume auto "
-            f"to continue it, or choose a new --save_dir"
-        )
-    # A checkpoint file is opened weights-only before anything unpickles it (a crafted one is refused).
-    resume_from = checkpoint.loadable_checkpoint(cfg.run.save_dir) if found and cfg.run.resume == "auto" else None
-    notes = check_resume(cfg, ds=ds, world_size=world, checkpoint_dir=resume_from[1]) if resume_from else []
-    return Prepared(
-        cfg=cfg,
-        ds_config=ds,
-        data=info,
-        use_nsp=use_nsp,
-        tokenizer=tokenizer,
-        tokenizer_dir=tok_dir,
-        bert_config=bcfg,
-        world_size=world,
-        resume_from=resume_from,
-        resume_notes=notes,
-    )
+    return bcfg
+
+
+def check_environment(cfg: TrainConfig, *, ds: dict[str, Any]) -> None:
+    """What the job's surroundings must allow: weights-only checkpoint loads (resume, export), the
+    DeepSpeed JSON's precision on this device, and output folders that are not the model it starts
+    from."""
+    checkpoint.check_weights_only_env()
+    if (ds.get("fp16") or {}).get("enabled"):
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        if not accelerator.is_fp16_supported():
+            raise UsageError(
+                f"--ds_config {cfg.run.ds_config}: fp16 is enabled, which DeepSpeed's {accelerator.device_name()} "
+                f"accelerator does not support here; set fp16.enabled to false (bf16, or fp32: "
+                f"deepspeed_configs/demo.json)"
+            )
+    if cfg.model.init_from:
+        source = Path(cfg.model.init_from).resolve()
+        for flag, folder in (("--save_dir", cfg.run.save_dir), ("--export_dir", cfg.run.export_dir)):
+            if folder and Path(folder).resolve() == source:
+                raise UsageError(
+                    f"{flag} {folder} is the --init_from folder: the run would overwrite the model it starts from "
+                    f"(its config.json and weights); choose another {flag}"
+                )
+
+
+def content_identity(info: DataInfo, tokenizer: Any) -> dict[str, Any]:
+    """What the run trains on, by content rather than by path: for each --data source its sample
+    count, the sha256 of its index.json (every shard's size and xxh64) and the vocabulary
+    fingerprint its manifest records; and the fingerprint of the tokenizer the job loads."""
+    sources = []
+    for s in info.sources:
+        index = hashlib.sha256((Path(s.local) / INDEX).read_bytes()).hexdigest()
+        vocab = s.manifest.vocab_fingerprint if s.manifest else None
+        sources.append({"samples": s.samples, "index_sha256": index, "vocabulary": vocab})
+    return {"data": sources, "tokenizer": vocabulary_of(tokenizer).fingerprint}
+
+
+def resume_point(cfg: TrainConfig) -> Optional[tuple[int, Path]]:
+    """The checkpoint this job continues: none for --resume none (which refuses a folder that has
+    one), `latest` for auto (or the newest older one that reads), last_finite's for last_finite.
+    Every file it loads is opened weights-only first (a crafted one is refused)."""
+    save_dir = cfg.run.save_dir
+    found = checkpoint.latest_checkpoint(save_dir)
+    if cfg.run.resume == "none":
+        if found:
+            raise UsageError(
+                f"--save_dir {save_dir} already holds checkpoint {found[1].name}: pass --resume auto "
+                f"to continue it, or choose a new --save_dir"
+            )
+        return None
+    if cfg.run.resume == "last_finite":
+        fallback = checkpoint.last_finite_checkpoint(save_dir)
+        if fallback is None:
+            raise UsageError(
+                f"--resume last_finite: {checkpoint.checkpoints_dir(save_dir)} names no checkpoint saved before "
+                f"the loss went non-finite (no {checkpoint.LAST_FINITE}); use --resume auto or a new --save_dir"
+            )
+        checkpoint.verify_loadable(fallback[1])
+        return fallback
+    return checkpoint.loadable_checkpoint(save_dir) if found else None
+
+
+@contextlib.contextmanager
+def run_folder(cfg: TrainConfig) -> Iterator[None]:
+    """The job's place, for the whole job (pre-flight and training): a world of one process when no
+    launcher described one (a plain `python pipeline/train.py`), and on rank 0 the run folder's lock,
+    RUN/.train.lock, taken before any process group and released however the job ends. A second
+    training into the folder exits 2 there, naming the first one's pid and host (its other ranks wait
+    for a rank 0 that is gone: the launcher, or --dist_timeout_s, ends them)."""
+    if not distributed.launched():
+        distributed.single_process_env()
+        log.info("no launcher (RANK is unset): training as one process; start several with deepspeed, torchrun or srun")
+    if distributed.launch_rank() != 0:
+        yield
+        return
+    check_save_dir(cfg.run.save_dir)
+    folder = Path(cfg.run.save_dir)
+    created = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        with output_lock(folder, flag="--save_dir", what="training", name=RUN_LOCK, say=log.warning):
+            yield
+    finally:
+        if created and not any(folder.iterdir()):  # pre-flight refused the job: leave no empty folder
+            folder.rmdir()
 
 
 def check_save_dir(save_dir: str) -> None:
@@ -145,14 +259,31 @@ def check_save_dir(save_dir: str) -> None:
         ) from None
 
 
-def check_resume(cfg: TrainConfig, *, ds: dict[str, Any], world_size: int, checkpoint_dir: Path) -> list[str]:
+def check_resume(
+    cfg: TrainConfig,
+    *,
+    ds: dict[str, Any],
+    world_size: int,
+    checkpoint_dir: Path,
+    identity: Optional[dict[str, Any]] = None,
+    bert_config: Optional[dict[str, Any]] = None,
+) -> list[str]:
     """Refuse to resume a checkpoint with settings that change what the run computes (model, objective
     and its knobs, data and weights, tokenizer, seed, schedule, the DeepSpeed JSON's batch and precision,
-    the world size). Returns a line per allowed change (intervals, export dir, ...) to record."""
+    the world size). The data and tokenizer are compared by `identity` (content_identity) and the model
+    by its resolved `bert_config` where the checkpoint records them, so a folder rebuilt or a config
+    file edited in place is a change and another path to the same content is not. Returns a line per
+    allowed change (intervals, export dir, ...) to record."""
+    where = f"--resume {cfg.run.resume} from {checkpoint_dir}"
     saved = checkpoint.saved_config(checkpoint_dir)
-    if saved is None:  # a checkpoint of an older version: nothing to compare with
-        return []
-    where = f"--resume auto from {checkpoint_dir}"
+    if saved is None:
+        if cfg.run.resume_unchecked:
+            return [f"resume: {checkpoint_dir} records no configuration; resumed unchecked (--resume_unchecked)"]
+        raise UsageError(
+            f"{where}: the checkpoint records no configuration (no {checkpoint.RUN_CONFIG}, no config in its client "
+            f"state), so nothing about this job can be checked against it; pass --resume_unchecked to resume it "
+            f"anyway, or start a new --save_dir"
+        )
     saved_world = saved.get("engine", {}).get("world_size")
     if saved_world is not None and saved_world != world_size:
         raise UsageError(
@@ -162,14 +293,67 @@ def check_resume(cfg: TrainConfig, *, ds: dict[str, Any], world_size: int, check
         )
     math, allowed = resume_changes(saved, cfg)
     math.update(_deepspeed_changes(saved.get("deepspeed"), ds))
+    _compare_content(math, allowed, saved=saved, identity=identity, bert_config=bert_config)
     if math:
         listing = "; ".join(f"{key}: saved {before!r}, now {after!r}" for key, (before, after) in sorted(math.items()))
-        hint = " (a longer --max_steps needs --extend_schedule)" if "schedule.max_steps" in math else ""
+        hints = []
+        if "schedule.max_steps" in math:
+            hints.append("a longer --max_steps needs --extend_schedule")
+        if any(key.startswith("schedule.") for key in math):
+            hints.append("--allow_schedule_change allows another --lr, --warmup_steps or --max_steps")
+        hint = f" ({'; '.join(hints)})" if hints else ""
         raise UsageError(
             f"{where}: these settings differ from the run's and would change what it computes: "
             f"{listing}{hint}; resume with the saved values or start a new --save_dir"
         )
     return [f"resume: {key} {before!r} -> {after!r}" for key, (before, after) in sorted(allowed.items())]
+
+
+# BertConfig keys that record where and how a config was saved, not the model.
+_BERT_CONFIG_RECORD = {"transformers_version", "architectures", "torch_dtype", "dtype"}
+
+
+def _compare_content(
+    math: dict[str, tuple],
+    allowed: dict[str, tuple],
+    *,
+    saved: dict[str, Any],
+    identity: Optional[dict[str, Any]],
+    bert_config: Optional[dict[str, Any]],
+) -> None:
+    """Where the checkpoint records the content (the shards' and tokenizer's identity, the resolved
+    model config), that decides, in place of the paths: differences join `math`, and a path that
+    changed to the same content moves to `allowed`."""
+    recorded = saved.get("identity")
+    if identity is not None and recorded:
+        before, now = recorded.get("data", []), identity["data"]
+        if len(before) == len(now):
+            for i, (a, b) in enumerate(zip(before, now)):
+                for key in ("samples", "index_sha256", "vocabulary"):
+                    if a.get(key) != b.get(key):
+                        math[f"data[{i}].{key} ({cfg_path(saved, i)})"] = (a.get(key), b.get(key))
+            if "data.data" in math:
+                allowed["data.data"] = math.pop("data.data")
+        if recorded.get("tokenizer") != identity["tokenizer"]:
+            math["tokenizer vocabulary"] = (recorded.get("tokenizer"), identity["tokenizer"])
+        elif "model.tokenizer" in math:
+            allowed["model.tokenizer"] = math.pop("model.tokenizer")
+    recorded = saved.get("bert_config")
+    if bert_config is not None and recorded:
+        now = json.loads(json.dumps(bert_config, default=str))
+        keys = sorted(k for k in set(recorded) | set(now) if k not in _BERT_CONFIG_RECORD and not k.startswith("_"))
+        changed = {f"bert_config.{k}": (recorded.get(k), now.get(k)) for k in keys if recorded.get(k) != now.get(k)}
+        math.update(changed)
+        if not changed:
+            for key in ("model.model_config", "model.init_from"):
+                if key in math:
+                    allowed[key] = math.pop(key)
+
+
+def cfg_path(saved: dict[str, Any], i: int) -> str:
+    """The i-th --data of a saved configuration, as it was given."""
+    paths = saved.get("data", {}).get("data") or []
+    return paths[i] if i < len(paths) else "?"
 
 
 # Filled from --lr/--warmup_steps/--max_steps (compared as those knobs), not owned by the JSON.

@@ -29,7 +29,7 @@ import torch
 
 from pipeline import distributed, objectives
 from pipeline.data.collator import MaskingCollator
-from pipeline.data.loader import build_loader, shutdown_loader
+from pipeline.data.loader import build_loader, loader_workers, shutdown_loader
 from pipeline.data.masking import MaskingSpec
 from pipeline.data.shards import run_key
 from pipeline.hardware import slow_bf16_reason
@@ -244,7 +244,7 @@ def _loader(prep: Prepared, *, micro: int, device: torch.device) -> Any:
         collator=make_collator(prep),
         vocab_size=len(prep.tokenizer),
         seed=cfg.run.seed,
-        num_workers=cfg.data.num_workers if cfg.data.num_workers is not None else default_workers(),
+        num_workers=loader_workers(cfg.data.num_workers, say=log.info),
         num_canonical_nodes=cfg.data.num_canonical_nodes,
         run_id=run_key(cfg.run.save_dir),
         pin_memory=device.type == "cuda",
@@ -271,6 +271,7 @@ def _record(prep: Prepared, *, micro: int, accum: int, dtype: torch.dtype, devic
         "max_seq_len": prep.data.max_seq_len,
         "samples": prep.data.samples,
         "bert_config": prep.bert_config.to_dict(),
+        "identity": prep.identity,
     }
     assert tuple(record) == RECORD_KEYS, (tuple(record), RECORD_KEYS)
     return record
@@ -299,15 +300,6 @@ def make_collator(prep: Prepared) -> MaskingCollator:
     )
 
 
-def default_workers() -> int:
-    """Loader workers per rank when --num_workers is not given: the cores this rank may use, less one
-    for the rank itself, at most 8. A Slurm task bound to its cores sees only those."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if usable >= (os.cpu_count() or 1):  # not bound: the node's cores are shared by its ranks
-        usable //= max(1, distributed.local_world_size())
-    return max(1, min(8, usable - 1))
-
-
 def control(run: Run, flag: PreemptionFlag) -> Optional[str]:
     """The decisions every rank takes together (one small collective of host numbers; one device read
     of the guard's counters): returns the pre-emption signal to stop for, or None. Raises when the
@@ -321,12 +313,11 @@ def control(run: Run, flag: PreemptionFlag) -> Optional[str]:
             f"the last check, {worst} in a row at most)"
         )
         run.state.skipped = skipped
-    limit = run.prep.cfg.run.max_nonfinite
+    limit, cfg_lr = run.prep.cfg.run.max_nonfinite, run.prep.cfg.schedule.lr
     if worst >= limit:
         raise RuntimeError(
             f"loss was NaN/inf for {worst} micro-batches in a row, the last at step {last_step}: "
-            f"stopping (--max_nonfinite {limit}). Lower --lr, check the data, or resume from the last "
-            f"checkpoint"
+            f"stopping (--max_nonfinite {limit}). {checkpoint.fallback_advice(run.save_dir, lr=cfg_lr)}"
         )
     return "SIGUSR1" if usr1 else "SIGTERM" if term else None
 
@@ -342,7 +333,7 @@ def log_record(run: Run, meter: Meter, *, lr: float) -> dict[str, Any]:
         "step": run.state.step,
         **{k: vals[k] for k in keys},
         "lr": lr,
-        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "grad_norm": meter.grad_norm(grad_norm),  # NaN (null in metrics.jsonl) for a step skipped whole
         "loss_scale": float(getattr(run.engine.optimizer, "loss_scale", 1.0)),
         "tokens_per_s": vals["tokens"] / elapsed,
         "samples_per_s": vals["samples"] / elapsed,

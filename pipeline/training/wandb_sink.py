@@ -5,7 +5,11 @@ Identity. The W&B run id is drawn when a run folder starts training and kept in 
 later process of the run (a Slurm requeue, `--resume auto`) calls `wandb.init(id=..., resume="allow")`
 with it, so W&B continues the same run. WANDB_RUN_ID, when set, wins. `--resume none` draws a new id:
 a run folder deleted and started again never appends to its predecessor's W&B run, whose steps it
-would repeat.
+would repeat. So does a process with other settings than the ones RUN/wandb.json records
+(`config.run_settings`) that would re-train steps the W&B run already has: a rerun with another --lr
+before the first checkpoint is another training, not the continuation of the first one's W&B run (and
+a resume from an earlier checkpoint with a new schedule, --resume last_finite, is a new trajectory).
+The new run gets the lines of metrics.jsonl up to the resumed step first, so its history is whole.
 
 Steps. W&B's step is our optimizer step, and W&B only takes steps that increase. A resumed process
 re-trains the steps after its checkpoint, which the process before it may already have sent (it died
@@ -36,6 +40,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from pipeline.training.config import run_settings
 from preprocessing.errors import UsageError
 
 STATE_FILE = "wandb.json"
@@ -70,7 +75,7 @@ class WandbSink:
     """The run's W&B run (rank 0). `log(record)` sends one metrics.jsonl record as W&B step
     record["step"], keys prefixed "train/" as in TensorBoard, unless W&B already has that step."""
 
-    def __init__(self, save_dir: Path, *, config: dict[str, Any], new_run: bool) -> None:
+    def __init__(self, save_dir: Path, *, config: dict[str, Any], new_run: bool, resume_step: int = 0) -> None:
         import wandb
 
         from pipeline.data.shards import run_key
@@ -78,6 +83,18 @@ class WandbSink:
 
         self.state_path = save_dir / STATE_FILE
         state = {} if new_run else _read_state(self.state_path)
+        settings = json.loads(json.dumps(run_settings(config), default=str))
+        last = int(state.get("last_step", 0))
+        if state.get("id") and resume_step < last and not os.environ.get("WANDB_RUN_ID"):
+            before = state.get("settings") or {}
+            differ = sorted(k for k in settings.keys() | before.keys() if settings.get(k) != before.get(k))
+            if differ:
+                shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+                log.info(
+                    f"W&B: run {state['id']} holds steps up to {last} of a training with other settings ({shown}); "
+                    f"this one trains from step {resume_step + 1}, so it gets a new W&B run"
+                )
+                state = {}
         run_id = os.environ.get("WANDB_RUN_ID") or state.get("id") or f"{run_key(str(save_dir))}-{secrets.token_hex(3)}"
         same = state.get("id") == run_id  # a WANDB_RUN_ID of another run starts from nothing
         self.last_sent = int(state.get("last_step", 0)) if same else 0
@@ -104,6 +121,7 @@ class WandbSink:
         url = self.run.url if mode == "online" else None  # offline, asking for it prints a warning
         self.state = {"id": run_id, "last_step": self.last_sent, "closed": False, "project": self.run.project}
         self.state["url"] = url
+        self.state["settings"] = settings
         _write_state(self.state_path, self.state)
         where = url or (f"files in {Path(self.run.dir).parent}" if mode == "offline" else "nothing recorded")
         resumed = f"; steps up to {self.last_sent} were sent by an earlier process" if self.last_sent else ""

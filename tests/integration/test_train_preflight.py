@@ -149,8 +149,13 @@ def test_existing_checkpoints_need_resume_auto(shards, ds, tmp_path):
     (ck / "complete.json").write_text("{}")
     with pytest.raises(ValueError, match=r"already holds checkpoint step_00000004: pass --resume auto"):
         prepare(parse_args(args(ds, shards["packed32"], tmp_path / "r")))
-    p = prepare(parse_args(args(ds, shards["packed32"], tmp_path / "r", extra=["--resume", "auto"])))
+    # A checkpoint with no configuration at all (no run_config.json, no client state) cannot be checked.
+    with pytest.raises(ValueError, match=r"records no configuration .*pass --resume_unchecked to resume it anyway"):
+        prepare(parse_args(args(ds, shards["packed32"], tmp_path / "r", extra=["--resume", "auto"])))
+    unchecked = ["--resume", "auto", "--resume_unchecked"]
+    p = prepare(parse_args(args(ds, shards["packed32"], tmp_path / "r", extra=unchecked)))
     assert p.resume_from == (4, ck)
+    assert p.resume_notes == [f"resume: {ck} records no configuration; resumed unchecked (--resume_unchecked)"]
 
 
 def test_the_json_owns_batch_and_precision_and_we_own_the_schedule(tmp_path):

@@ -117,6 +117,7 @@ def test_sigterm_saves_and_exits_0_then_resumes(shards, ds, tmp_path):
     assert 3 <= k < 400 and latest_checkpoint(save) == (k, save / "checkpoints" / f"step_{k:08d}")
     assert not logs.has(stdout, "done:")
     assert read_metrics(save)[-1]["step"] == k
+    assert not (save / ".train.lock").exists()  # the run folder's lock is released on a pre-emption exit too
     resumed = run_deepspeed(
         free_port(),
         train_args(

@@ -35,7 +35,18 @@ def record(step: int) -> dict:
     return {"step": step, "loss": 10.0 / step, "mlm_acc": 0.01 * step, "mfu": None, "mem_kind": "cpu_max_rss"}
 
 
-def process(save: Path, steps: range, *, resume_step: int, new_run: bool = False, failed: bool = False) -> None:
+CONFIG = {"objective": {"objective": "taco"}, "schedule": {"lr": 1e-4}, "engine": {"world_size": 2}}
+
+
+def process(
+    save: Path,
+    steps: range,
+    *,
+    resume_step: int,
+    new_run: bool = False,
+    failed: bool = False,
+    config: dict = CONFIG,
+) -> None:
     """What one trainer process does with its writer: open at its resume step, log, close."""
     w = MetricsWriter(
         save,
@@ -43,7 +54,7 @@ def process(save: Path, steps: range, *, resume_step: int, new_run: bool = False
         resume_step=resume_step,
         trace=False,
         report_to=("wandb",),
-        run_config={"objective": {"objective": "taco"}, "engine": {"world_size": 2}},
+        run_config=config,
         new_run=new_run,
     )
     for s in steps:
@@ -104,6 +115,27 @@ def test_resume_none_starts_a_new_wandb_run_and_wandb_run_id_wins(tmp_path, monk
         "chosen-by-user": [1, 2, 3],
     }
     assert len(runs) == 3
+
+
+def test_a_rerun_with_other_settings_before_the_first_checkpoint_gets_its_own_wandb_run(tmp_path):
+    """Issue 31, defect 8: a first training logged steps 1-8 and died before its first checkpoint; a
+    rerun with another --lr (--resume auto, nothing to resume) is another training: it must not fill
+    steps 9-20 of the first one's W&B run. The same settings again (a requeue) continue it."""
+    save = tmp_path / "run"
+    process(save, range(1, 9), resume_step=0)
+    first = json.loads((save / "wandb.json").read_text())["id"]
+    other = {**CONFIG, "schedule": {"lr": 1e-3}}
+    process(save, range(1, 21), resume_step=0, config=other)
+    second = json.loads((save / "wandb.json").read_text())["id"]
+    assert second != first
+    process(save, range(1, 23), resume_step=0, config=other)  # requeued with the same settings
+    assert json.loads((save / "wandb.json").read_text())["id"] == second
+    runs = read_offline_runs(save / "wandb")
+    steps: dict[str, list[int]] = {}
+    for r in runs:
+        steps.setdefault(r.run_id, []).extend(row["_step"] for row in r.history)
+    assert steps == {first: list(range(1, 9)), second: list(range(1, 23))}
+    assert {r.run_id: r.config["schedule"]["lr"] for r in runs} == {first: 1e-4, second: 1e-3}
 
 
 def test_a_failed_process_marks_the_run_and_the_next_one_continues(tmp_path):
