@@ -266,7 +266,7 @@ def build_loader(
         # streaming counts the samples it has yielded (its resume state) as the length of a batch's
         # first value; our batches begin with host values (the layout's name), so say it outright.
         def _get_batch_size(self, batch: Any) -> int:
-            return int(batch["num_sequences"])
+            return int(batch["num_samples"])  # not num_sequences: packed blocks are cut into documents
 
         def __iter__(self):
             for batch in super().__iter__():
