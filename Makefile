@@ -25,7 +25,8 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(MAKE) --no-print-directory _demo
 
-# The demo's run: TACO on the sample corpus (60 documents, about 20k tokens) with a tiny model, sized so
+# The demo's run: TACO on the sample corpus (60 documents, about 20k tokens; a tenth held out, evaluated
+# every DEMO_EVAL steps) with a tiny model, sized so
 # that the run visibly learns within a couple of minutes on 2 CPU cores (mlm_acc well above 0, tc_loss
 # falling). A small WordPiece vocabulary (most English words become a few pieces) and a high learning
 # rate let the 0.3M-parameter model get past the unigram plateau quickly; the trainer's defaults for real
@@ -34,6 +35,7 @@ DEMO_VOCAB ?= 1500
 DEMO_STEPS ?= 2000
 DEMO_LR    ?= 3e-3
 DEMO_WARMUP ?= 100
+DEMO_EVAL  ?= 250
 DEMO_FILL  ?= 长城是中国古代修建的大型军事防御工[MASK]。
 
 _demo:
@@ -43,13 +45,13 @@ _demo:
 	  python preprocessing/build_shards.py \
 	      --input en:preprocessing/sample_corpus/en.txt --input zh:preprocessing/sample_corpus/zh.jsonl \
 	      --output $(DEMO)/shards --train_tokenizer wordpiece --vocab_size $(DEMO_VOCAB) \
-	      --format packed --max_seq_len 64 --num_workers 2 --overwrite --no_progress; \
+	      --format packed --max_seq_len 64 --eval_share 0.1 --num_workers 2 --overwrite --no_progress; \
 	  rm -rf $(DEMO)/run $(DEMO)/export; \
 	  deepspeed $$LAUNCH pipeline/train.py --ds_config deepspeed_configs/demo.json \
 	      --objective taco --data $(DEMO)/shards --model_config tiny \
 	      --max_steps $(DEMO_STEPS) --lr $(DEMO_LR) --warmup_steps $(DEMO_WARMUP) --log_every 50 \
-	      --save_every $(DEMO_STEPS) --save_dir $(DEMO)/run --export_dir $(DEMO)/export --seed 0; \
-	  python pipeline/plot_runs.py $(DEMO)/run --out $(DEMO)/run/curves.png \
+	      --eval_every $(DEMO_EVAL) --save_every $(DEMO_STEPS) --save_dir $(DEMO)/run --export_dir $(DEMO)/export --seed 0; \
+	  tokencl-plot-runs $(DEMO)/run --out $(DEMO)/run/curves.png \
 	      --title "make demo: TACO, tiny model, sample corpus"; \
 	  python -m pipeline.demo_summary --run $(DEMO)/run --shards $(DEMO)/shards --plot $(DEMO)/run/curves.png \
 	      --export $(DEMO)/export --fill_mask "$(DEMO_FILL)"'

@@ -26,17 +26,24 @@ from preprocessing import cli  # noqa: E402
 from preprocessing.errors import UsageError  # noqa: E402
 
 
-def learning_table(records: list[dict[str, Any]]) -> list[str]:
-    """First and last value of every loss term and accuracy, and the change."""
+def learning_table(records: list[dict[str, Any]], *, prefix: str = "") -> list[str]:
+    """First and last value of every loss term and accuracy (of the held-out evaluation with prefix
+    "eval/", from the first and last records that have one), and the change."""
+    if prefix:
+        records = [r for r in records if any(k.startswith(prefix) for k in r)]
+        if not records:
+            return []
     first, last = records[0], records[-1]
-    keys = [k for k in first if k == "loss" or k.endswith(("_loss", "_acc"))]
+    keys = [k for k in first if (k.startswith(prefix) if prefix else "/" not in k)]
+    keys = [k for k in keys if k == "loss" or k.endswith(("_loss", "_acc"))]
     keys = [k for k in keys if k.endswith("loss")] + [k for k in keys if k.endswith("_acc")]
-    rows = [f"  {'':<10} {'step ' + str(first['step']):>12} {'step ' + str(last['step']):>12}"]
+    width = max([10, *map(len, keys)])
+    rows = [f"  {'':<{width}} {'step ' + str(first['step']):>12} {'step ' + str(last['step']):>12}"]
     for k in keys:
         a, b = first.get(k), last.get(k)
         if isinstance(a, (int, float)) and isinstance(b, (int, float)):
             trend = "falls" if b < a else "rises" if b > a else "flat"
-            rows.append(f"  {k:<10} {a:>12.4f} {b:>12.4f}   {trend}")
+            rows.append(f"  {k:<{width}} {a:>12.4f} {b:>12.4f}   {trend}")
     return rows
 
 
@@ -74,7 +81,11 @@ def summary(
     head = f"run        {run}  ({objective}, {records[-1]['step']} steps"
     if engine:
         head += f", {engine.get('world_size')} rank(s) x micro-batch {engine.get('micro_batch_per_rank')}"
-    lines = ["", "== demo summary ==", head + ")", *learning_table(records), throughput(records)]
+    lines = ["", "== demo summary ==", head + ")", *learning_table(records)]
+    held_out = learning_table(records, prefix="eval/")
+    if held_out:
+        lines += ["held-out (eval/: the same masked positions at every evaluation)", *held_out]
+    lines.append(throughput(records))
     if shards is not None:
         manifest = shards / "build_manifest.json"
         samples = json.loads(manifest.read_text()).get("counts", {}).get("samples") if manifest.is_file() else None

@@ -214,3 +214,20 @@ class SimilarityStats:
             "num_contexts": self.num_contexts,
             "num_tokens": self.num_tokens,
         }
+
+
+def sentence_ids(
+    input_ids_BL: torch.Tensor, *, token_type_ids_BL: torch.Tensor, special_BL: torch.Tensor
+) -> torch.Tensor:
+    """Sentence index per token of a padded batch, as pipeline.evaluation's text readers number them: a
+    sentence is a maximal run of non-special tokens, ended by a special token or a change of segment.
+    In: ids and token types [B, L], special_BL bool (special tokens and padding). Out: [B, L] int64,
+    -1 at special tokens and padding; `[CLS] a b [SEP] c [SEP]` -> [-1, 0, 0, -1, 1, -1]."""
+    word_BL = ~special_BL
+    previous_BL = torch.zeros_like(word_BL)
+    previous_BL[:, 1:] = word_BL[:, :-1]
+    changed_BL = torch.zeros_like(word_BL)
+    changed_BL[:, 1:] = token_type_ids_BL[:, 1:] != token_type_ids_BL[:, :-1]
+    start_BL = word_BL & (~previous_BL | changed_BL)
+    ids_BL = start_BL.long().cumsum(1) - 1
+    return torch.where(word_BL, ids_BL, torch.full_like(ids_BL, -1))

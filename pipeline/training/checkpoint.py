@@ -8,7 +8,8 @@ configuration at that step (what a resume is checked against). RUN/checkpoints/l
 complete tag. A checkpoint without `complete.json` never counts: `latest` moves, and old checkpoints are
 pruned, only after every rank has finished writing. RUN/checkpoints/last_finite names the newest
 checkpoint saved after an interval without a non-finite loss (the fall-back when the loss diverges,
-`--resume last_finite`); pruning keeps it.
+`--resume last_finite`), and RUN/checkpoints/best the one with the lowest held-out MLM loss
+(--keep_best); pruning keeps both.
 
 Nothing in a run folder unpickles. DeepSpeed copies its `zero_to_fp32.py` / `zero_to_torch.py` into
 RUN/checkpoints at every save; they unpickle with `torch.load(weights_only=False)`, so running them on
@@ -43,6 +44,8 @@ CHECKPOINTS = "checkpoints"
 MARKER = "complete.json"
 LATEST = "latest"
 LAST_FINITE = "last_finite"
+BEST = "best"  # --keep_best: the checkpoint with the lowest eval/mlm_loss (BEST_RECORD holds the value)
+BEST_RECORD = "best.json"
 EXPORT_SCRIPT = "export_hf.py"
 HF_SUBDIR = "hf"
 RUN_CONFIG = "run_config.json"
@@ -86,6 +89,28 @@ def latest_checkpoint(save_dir: str | Path) -> Optional[tuple[int, Path]]:
 def last_finite_checkpoint(save_dir: str | Path) -> Optional[tuple[int, Path]]:
     """The complete checkpoint RUN/checkpoints/last_finite names, or None."""
     return _named(checkpoints_dir(save_dir), LAST_FINITE)
+
+
+def best_checkpoint(save_dir: str | Path) -> Optional[tuple[int, Path]]:
+    """The complete checkpoint RUN/checkpoints/best names (--keep_best), or None."""
+    return _named(checkpoints_dir(save_dir), BEST)
+
+
+def best_value(save_dir: str | Path) -> Optional[float]:
+    """The eval/mlm_loss of the best checkpoint, while that checkpoint still exists."""
+    if best_checkpoint(save_dir) is None:
+        return None
+    try:
+        return float(json.loads((checkpoints_dir(save_dir) / BEST_RECORD).read_text())["eval/mlm_loss"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def mark_best(save_dir: str | Path, *, step: int, value: float) -> None:
+    """Name the complete checkpoint of `step` as the best (rank 0; pruning keeps it)."""
+    root = checkpoints_dir(save_dir)
+    _write_atomic(root / BEST_RECORD, json.dumps({"step": step, "eval/mlm_loss": value}) + "\n")
+    _write_atomic(root / BEST, tag_for(step) + "\n")
 
 
 def _named(root: Path, pointer: str) -> Optional[tuple[int, Path]]:
@@ -248,10 +273,10 @@ def _kept(save_dir: str | Path) -> str:
 
 
 def _prune(root: Path, *, keep: int, newest: int) -> None:
-    """Keep the newest `keep` complete checkpoints up to `newest` and the one last_finite names.
+    """Keep the newest `keep` complete checkpoints up to `newest`, and the ones last_finite and best name.
     Checkpoints after `newest` belong to a trajectory the run abandoned when it resumed from an
     earlier checkpoint (--resume last_finite): removed, so that they never count as newer."""
-    fallback = last_finite_checkpoint(root.parent)
+    kept = {last_finite_checkpoint(root.parent), best_checkpoint(root.parent)}
     complete = list_checkpoints(root.parent)
     for step, p in complete:
         if step > newest:
@@ -259,7 +284,7 @@ def _prune(root: Path, *, keep: int, newest: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
     current = [c for c in complete if c[0] <= newest]
     for c in current[:-keep]:
-        if c != fallback:
+        if c not in kept:
             shutil.rmtree(c[1], ignore_errors=True)
     # Incomplete folders older than the newest checkpoint are failed saves.
     for p in root.iterdir():

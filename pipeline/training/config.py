@@ -228,12 +228,44 @@ class RunArgs:
     )
 
 
+@dataclass
+class EvalArgs:
+    """Held-out evaluation during training (pipeline.training.evaluation). It never changes what the
+    run trains, so a resumed run may change any of it."""
+
+    eval_data: list[str] = cli.knob(
+        help="held-out shard folder (repeatable; default: each --data folder's eval/, which build_shards.py "
+        "--eval_share writes)",
+        repeat=True,
+        default_factory=list,
+        math=False,
+    )
+    eval_every: int = cli.knob(1000, "evaluate every N steps and at the last step (0: never)", math=False)
+    eval_samples: int = cli.knob(
+        1024,
+        "held-out samples per evaluation: the first N of --eval_data, the same masked positions each time",
+        math=False,
+    )
+    eval_health_every: int = cli.knob(
+        5,
+        "every K-th evaluation also measures the representation health figures (intra-sentence, intra- and "
+        "inter-context similarity, their gap; 0: never)",
+        math=False,
+    )
+    keep_best: bool = cli.knob(
+        False,
+        "keep the checkpoint with the lowest eval/mlm_loss beside the latest ones (RUN/checkpoints/best)",
+        math=False,
+    )
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelArgs,
     "data": DataArgs,
     "objective": ObjectiveArgs,
     "schedule": ScheduleArgs,
     "run": RunArgs,
+    "eval": EvalArgs,
 }
 # What the trainer records in RUN/config.json beside the sections (pipeline.training.trainer.resolved_record):
 # facts of the run, not settings; a replayed file skips them.
@@ -257,6 +289,7 @@ class TrainConfig:
     objective: ObjectiveArgs
     schedule: ScheduleArgs
     run: RunArgs
+    eval: EvalArgs
     notes: list[str] = field(default_factory=list)  # defaults that were adjusted, said once at start
     print_config: bool = False  # --print_config: print the resolved configuration and exit
 
@@ -367,6 +400,14 @@ def validate(cfg: TrainConfig) -> None:
     ):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
+    e = cfg.eval
+    for flag, value in (("--eval_every", e.eval_every), ("--eval_health_every", e.eval_health_every)):
+        if value < 0:
+            raise UsageError(f"{flag} must be >= 0 (0: never), got {value}")
+    if e.eval_samples < 1:
+        raise UsageError(f"--eval_samples must be >= 1, got {e.eval_samples}")
+    if e.keep_best and not e.eval_every:
+        raise UsageError("--keep_best needs evaluations: set --eval_every to a positive number of steps")
     if set(r.report_to) - set(REPORT_TARGETS):  # a --config file's value skips the flag's parser
         raise UsageError(f"--report_to {','.join(r.report_to)}: expected names among {', '.join(REPORT_TARGETS)}")
     if not r.dist_timeout_s > 0:

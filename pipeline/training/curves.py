@@ -4,7 +4,9 @@ norm and throughput against the optimizer step, one panel per field, one colour 
 Reads RUN/metrics.jsonl only (the trainer's record, pipeline.training.metrics), so it works on a run in
 progress, a finished one, or a copy of the file. A field that some runs lack (TaCL has no tc_loss, a
 run without NSP no nsp_acc) is drawn for the runs that have it; which runs lack it is returned, said
-on the command line, and written in the panel.
+on the command line, and written in the panel. The held-out evaluation's fields (eval/mlm_loss, ...)
+are drawn dashed, with markers, in the panel of the training field they measure; its representation
+health figures have panels of their own.
 """
 
 from __future__ import annotations
@@ -21,8 +23,15 @@ from preprocessing.errors import UsageError
 # The panels, in this order; other *_loss / *_acc fields a run records follow their group.
 LOSS_FIELDS = ("loss", "mlm_loss", "nsp_loss", "tacl_loss", "tc_loss")
 ACC_FIELDS = ("mlm_acc", "nsp_acc", "tacl_acc", "tc_acc")
-OTHER_FIELDS = ("lr", "grad_norm", "tokens_per_s")
-TITLES = {"lr": "learning rate", "grad_norm": "gradient norm", "tokens_per_s": "tokens/s (all ranks)"}
+OTHER_FIELDS = ("lr", "grad_norm", "tokens_per_s", "eval/intra_sentence", "eval/context_gap")
+TITLES = {
+    "lr": "learning rate",
+    "grad_norm": "gradient norm",
+    "tokens_per_s": "tokens/s (all ranks)",
+    "eval/intra_sentence": "held-out intra-sentence similarity",
+    "eval/context_gap": "held-out intra - inter-context similarity",
+}
+EVAL = "eval/"  # the held-out evaluation's fields: eval/<training field> joins that field's panel
 
 
 @dataclass
@@ -125,6 +134,8 @@ def plan(runs: list[RunCurves], only: Optional[list[str]] = None) -> Plan:
     """The panels: the known fields any run has, in LOSS/ACC/OTHER order, with the other *_loss and
     *_acc fields after their group; `only` chooses (and orders) them instead."""
     present = set().union(*(r.fields() for r in runs))
+    # A held-out field draws in its training field's panel (a run may have only the held-out one).
+    present |= {f[len(EVAL) :] for f in present if f.startswith(EVAL) and f[len(EVAL) :] in (*LOSS_FIELDS, *ACC_FIELDS)}
     if only:
         unknown = [f for f in only if f not in present]
         if unknown:
@@ -138,7 +149,7 @@ def plan(runs: list[RunCurves], only: Optional[list[str]] = None) -> Plan:
         extra_acc = sorted(f for f in present if re.fullmatch(r"\w+_acc", f) and f not in ACC_FIELDS)
         order = [*LOSS_FIELDS, *extra_loss, *ACC_FIELDS, *extra_acc, *OTHER_FIELDS]
         fields = [f for f in order if f in present]
-    missing = {f: [r.label for r in runs if f not in r.fields()] for f in fields}
+    missing = {f: [r.label for r in runs if f not in r.fields() and EVAL + f not in r.fields()] for f in fields}
     return Plan(fields=fields, missing={f: labels for f, labels in missing.items() if labels})
 
 
@@ -157,12 +168,17 @@ def draw(runs: list[RunCurves], p: Plan, *, title: Optional[str] = None):
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, height), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, name in zip(axes.flat, p.fields):
+        held_out = False
         for i, run in enumerate(runs):
             steps, values = run.series(name)
             if steps:
                 marker = "o" if len(steps) == 1 else None  # one point draws no line
                 ax.plot(steps, values, color=colours[i % len(colours)], label=run.label, marker=marker, lw=1.4)
-        ax.set_title(TITLES.get(name, name), fontsize=10)
+            steps, values = run.series(EVAL + name) if not name.startswith(EVAL) else ([], [])
+            if steps:
+                held_out = True
+                ax.plot(steps, values, color=colours[i % len(colours)], ls="--", marker="o", ms=3, lw=1.2)
+        ax.set_title(TITLES.get(name, name) + (" (dashed: held-out)" if held_out else ""), fontsize=10)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)

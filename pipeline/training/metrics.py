@@ -255,7 +255,7 @@ class MetricsWriter:
             step = record["step"]
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._tb.add_scalar(f"train/{k}", v, step)
+                    self._tb.add_scalar(tag(k), v, step)
         if self._wandb is not None:
             self._wandb.log(record)
 
@@ -295,6 +295,12 @@ class MetricsWriter:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.close(failed=failed)
+
+
+def tag(key: str) -> str:
+    """A metrics line's field as TensorBoard and W&B name it: training fields under train/, the held-out
+    evaluation's as they are (eval/...)."""
+    return key if "/" in key else f"train/{key}"
 
 
 def progress_bar(*, enabled: bool, total: int, initial: int):

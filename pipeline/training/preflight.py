@@ -51,6 +51,7 @@ class Prepared:
     resume_from: Optional[tuple[int, Path]]
     resume_notes: list[str] = field(default_factory=list)  # allowed setting changes of a resumed run
     identity: dict[str, Any] = field(default_factory=dict)  # what the run trains on, by content (`content_identity`)
+    eval_data: Optional[DataInfo] = None  # the held-out shards (--eval_data), or None: no evaluation
 
 
 def prepare(cfg: TrainConfig) -> Prepared:
@@ -70,6 +71,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
     use_nsp = objectives.get(cfg.objective.objective).check_data(
         fmt=info.format, nsp=cfg.objective.nsp, paths=cfg.data.data
     )
+    eval_info = held_out_data(cfg, info, cache_root=cache_root, world_size=world)
     tok_dir, tokenizer = load_tokenizer(cfg, info)
     bcfg = model_config(cfg, info, tokenizer=tokenizer, tokenizer_dir=tok_dir)
     identity = content_identity(info, tokenizer)
@@ -91,7 +93,39 @@ def prepare(cfg: TrainConfig) -> Prepared:
         resume_from=resume_from,
         resume_notes=notes,
         identity=identity,
+        eval_data=eval_info,
     )
+
+
+def held_out_data(cfg: TrainConfig, info: DataInfo, *, cache_root: str, world_size: int) -> Optional[DataInfo]:
+    """The held-out shards the run evaluates on: --eval_data, else each local --data folder's eval/
+    (build_shards.py --eval_share); None when evaluation is off or there is none (said once). They
+    must hold what the training data holds: the same format and vocabulary."""
+    e = cfg.eval
+    if not e.eval_every:
+        return None
+    paths = list(e.eval_data) or [
+        str(Path(d) / "eval") for d in cfg.data.data if "://" not in d and (Path(d) / "eval" / INDEX).is_file()
+    ]
+    if not paths:
+        log.info(
+            "no held-out data (no --eval_data, and no --data folder holds an eval/ split): no evaluation; "
+            "build shards with --eval_share to have one"
+        )
+        return None
+    held = inspect_data(paths, cache_root=str(Path(cache_root) / "eval"), max_seq_len=info.max_seq_len)
+    where = f"--eval_data {', '.join(paths)}"
+    if held.format != info.format:
+        raise UsageError(f"{where} holds {held.format} shards but --data holds {info.format} shards: use held-out "
+                         f"shards of the training data's format")  # fmt: skip
+    train_vocab = {s.manifest.vocab_fingerprint for s in info.sources if s.manifest}
+    held_vocab = {s.manifest.vocab_fingerprint for s in held.sources if s.manifest}
+    if train_vocab and held_vocab and train_vocab != held_vocab:
+        raise UsageError(f"{where} was built with another tokenizer than --data (vocabulary fingerprints differ); "
+                         f"use the held-out split of the same build")  # fmt: skip
+    if held.samples < world_size:
+        raise UsageError(f"{where} holds {held.samples} samples for {world_size} ranks: every rank needs one")
+    return held
 
 
 def load_tokenizer(cfg: TrainConfig, info: DataInfo) -> tuple[str, Any]:

@@ -38,6 +38,7 @@ from pipeline.modeling.teacher import build_teacher, check_teacher, fingerprint
 from pipeline.training import checkpoint, log, state
 from pipeline.training.config import RECORD_KEYS
 from pipeline.training.ds_config import client_scheduler
+from pipeline.training.evaluation import Evaluator
 from pipeline.training.metrics import FlopsModel, Meter, MetricsWriter, device_peak_flops, memory_gb, progress_bar
 from pipeline.training.nonfinite import NonfiniteGuard
 from pipeline.training.preflight import Prepared
@@ -110,6 +111,8 @@ class Run:
     resolved: dict[str, Any]
     peak: Optional[float]
     last_batch: Optional[dict[str, torch.Tensor]] = field(default=None, repr=False)
+    evaluator: Optional[Evaluator] = None  # held-out evaluation (pipeline.training.evaluation), if any
+    best: Optional[float] = None  # --keep_best: the lowest eval/mlm_loss of a kept checkpoint
 
     @property
     def engine(self) -> Any:
@@ -187,10 +190,30 @@ def setup(prep: Prepared, *, batches: Optional[Any] = None, hooks: Sequence[Loss
             source=source,
         )
     run.state.skipped_at_start = run.state.skipped
+    run.evaluator = _evaluator(prep, program) if prep.eval_data is not None else None
+    run.best = checkpoint.best_value(run.save_dir) if cfg.eval.keep_best else None
     if distributed.is_main():
         run.save_dir.mkdir(parents=True, exist_ok=True)
         (run.save_dir / "config.json").write_text(json.dumps(run.resolved, indent=2, default=str) + "\n")
     return run
+
+
+def _evaluator(prep: Prepared, program: StepProgram) -> Evaluator:
+    e = prep.cfg.eval
+    evaluator = Evaluator(
+        program,
+        info=prep.eval_data,
+        collator=make_collator(prep),
+        vocab_size=len(prep.tokenizer),
+        samples=e.eval_samples,
+        run_id=run_key(prep.cfg.run.save_dir) + "-eval",
+    )
+    where = ", ".join(s.remote or s.local for s in prep.eval_data.sources)
+    log.info(
+        f"held-out evaluation every {e.eval_every} steps and at the end: {evaluator.samples} samples of {where} "
+        f"({evaluator.batches} micro-batches of {evaluator.micro} per rank)"
+    )
+    return evaluator
 
 
 def _start_process_group(prep: Prepared) -> Optional[torch.device]:
@@ -386,6 +409,29 @@ def train(prep: Prepared, *, hooks: Sequence[LossHook] = ()) -> int:
         flag.ignore_further()
 
 
+@dataclass(frozen=True)
+class Due:
+    """What the step just taken calls for (pipeline.training.config's intervals)."""
+
+    last: bool  # --max_steps: the run ends here, whatever else asks it to stop
+    log: bool
+    save: bool
+    eval: bool
+    chunk_end: bool  # --stop_after_step
+    control: bool  # the ranks agree on pre-emption and the non-finite limit
+
+    @classmethod
+    def at(cls, run: Run) -> Due:
+        cfg, step = run.prep.cfg, run.state.step
+        last = step == cfg.schedule.max_steps
+        every = cfg.eval.eval_every
+        ev = run.evaluator is not None and (step % every == 0 or last)
+        log_, save_ = step % cfg.run.log_every == 0 or last, step % cfg.run.save_every == 0 or last
+        chunk_end = step == cfg.run.stop_after_step and not last
+        control_ = log_ or save_ or ev or chunk_end or step % cfg.run.control_every == 0
+        return cls(last=last, log=log_, save=save_, eval=ev, chunk_end=chunk_end, control=control_)
+
+
 def loop(run: Run, flag: PreemptionFlag, *, writer: MetricsWriter, bar: Any) -> Optional[str]:
     """Train to max_steps. Returns None when done, else why it stopped early (after saving)."""
     cfg = run.prep.cfg
@@ -399,32 +445,54 @@ def loop(run: Run, flag: PreemptionFlag, *, writer: MetricsWriter, bar: Any) -> 
             bar.update(1)
         if cfg.run.trace_samples:
             writer.trace(st.step, distributed.all_gather_object(res.sample_ids))
-        last = st.step == cfg.schedule.max_steps
-        log_step = st.step % cfg.run.log_every == 0 or last
-        save_step = st.step % cfg.run.save_every == 0 or last
-        chunk_end = st.step == cfg.run.stop_after_step and not last
-        signal_name = None
-        if log_step or save_step or chunk_end or st.step % cfg.run.control_every == 0:
-            signal_name = control(run, flag)
-        # At max_steps the run simply ends (saved, exported) whatever asked it to stop.
-        signalled = signal_name is not None and not last
-        stopping = signalled or chunk_end
-        if log_step or stopping:
-            record = log_record(run, meter, lr=res.lr)
+        due = Due.at(run)
+        signal_name = control(run, flag) if due.control else None
+        signalled = signal_name is not None and not due.last  # at max_steps the run simply ends
+        stopping = signalled or due.chunk_end
+        fields = evaluate(run, meter) if due.eval else {}
+        if due.log or stopping or fields:
+            record = {**log_record(run, meter, lr=res.lr), **fields}
             writer.log(record)
             if bar is not None:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
-        if save_step or stopping:
+        best = _improves(run, fields)
+        if due.save or stopping or best:
             t0 = time.perf_counter()
             save(run)
             meter.exclude(time.perf_counter() - t0)  # throughput counts training, not checkpoints
+        if best:
+            _keep_best(run, fields["eval/mlm_loss"])
         if signalled:
             log.info(f"pre-emption signal {signal_name}: saved checkpoint at step {st.step}, exiting 0")
             return signal_name
-        if chunk_end:
+        if due.chunk_end:
             log.info(f"stopped after step {st.step} (--stop_after_step): saved checkpoint, exiting 0")
             return "--stop_after_step"
     return None  # at max_steps, saved (or resumed there: nothing left to train)
+
+
+def evaluate(run: Run, meter: Meter) -> dict[str, Any]:
+    """The held-out evaluation's fields of this step's metrics line (a collective); its time is not
+    counted as training time. Every --eval_health_every-th evaluation, and the last, adds the health
+    figures."""
+    k = run.prep.cfg.eval.eval_health_every
+    health = bool(k) and ((run.evaluator.done + 1) % k == 0 or run.state.step == run.prep.cfg.schedule.max_steps)
+    fields = run.evaluator(health=health)
+    meter.exclude(fields["eval/time_s"])
+    return fields
+
+
+def _improves(run: Run, fields: dict[str, Any]) -> bool:
+    loss = fields.get("eval/mlm_loss")
+    return run.prep.cfg.eval.keep_best and loss is not None and (run.best is None or loss < run.best)
+
+
+def _keep_best(run: Run, loss: float) -> None:
+    run.best = loss
+    if distributed.is_main():
+        checkpoint.mark_best(run.save_dir, step=run.state.step, value=loss)
+        log.info(f"best held-out MLM loss so far ({loss:.4f}): {checkpoint.checkpoints_dir(run.save_dir)}/best")
+    distributed.barrier()
 
 
 def save(run: Run) -> Path:

@@ -138,7 +138,9 @@ class WandbSink:
         step = int(record["step"])
         if step <= self.last_sent:
             return
-        data = {f"train/{k}": v for k, v in record.items() if k != "step" and v is not None}
+        from pipeline.training.metrics import tag
+
+        data = {tag(k): v for k, v in record.items() if k != "step" and v is not None}
         self.run.log(data, step=step, commit=True)  # written now, not when the next step comes
         self.last_sent = self.state["last_step"] = step
         _write_state(self.state_path, self.state)

@@ -82,7 +82,11 @@ SHARD_SETS = {
     "packed16": ("en", "packed", 16, 8, "tiny"),
     "nsp48": ("en", "nsp", 48, 40, "tiny"),
     "nsp48_minilm": ("en", "nsp", 48, 30, "minilm"),
+    # with a held-out split (build_shards.py --eval_share): OUTPUT/eval
+    "packed32_eval": ("en", "packed", 32, 40, "tiny"),
+    "nsp48_eval": ("en", "nsp", 48, 40, "tiny"),
 }
+EVAL_SHARES = {"packed32_eval": 0.25, "nsp48_eval": 0.25}
 
 _BUILD_SCRIPT = textwrap.dedent("""
     import json, sys
@@ -115,6 +119,7 @@ def build_shard_sets(root: Path) -> dict[str, Path]:
                 "num_workers": 1,
                 "overwrite": True,
                 "progress": False,
+                "eval_share": EVAL_SHARES.get(name, 0.0),
             }
         )
     proc = subprocess.run(

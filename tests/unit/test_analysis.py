@@ -227,3 +227,17 @@ def test_plots_are_written_and_non_empty(tmp_path):
 
 
 # --------------------------------------------------------------------------- the CLI, end to end
+
+
+def test_sentence_ids_of_a_batch_equal_the_text_readers():
+    from pipeline.modeling.similarity import sentence_ids
+
+    specials = {0, 1, 2, 3, 4}
+    rows = [[2, 7, 8, 3, 9, 3, 0, 0], [2, 5, 6, 7, 3, 8, 9, 3], [2, 5, 3, 3, 6, 6, 6, 3]]
+    types = [[0, 0, 0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0, 1, 1]]
+    ids_BL, types_BL = torch.tensor(rows), torch.tensor(types)
+    got = sentence_ids(
+        ids_BL, token_type_ids_BL=types_BL, special_BL=torch.isin(ids_BL, torch.tensor(sorted(specials)))
+    )
+    for row, row_types, out in zip(rows, types, got.tolist()):
+        assert out == sentence_ids_from_specials(row, special_ids=specials, token_type_ids=row_types)
