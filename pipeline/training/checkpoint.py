@@ -403,15 +403,16 @@ def loadable_checkpoint(save_dir: str | Path) -> Optional[tuple[int, Path]]:
     raise CheckpointUnreadable(f"{error}; no older complete checkpoint reads either: start a new --save_dir")
 
 
-def load(engine: Any, path: Path) -> dict[str, Any]:
-    """Load a complete checkpoint into the engine (weights, optimizer, scheduler) on every rank;
-    returns the client state. Weights-only, files verified first."""
+def load(engine: Any, path: Path, *, scheduler: bool = True) -> dict[str, Any]:
+    """Load a complete checkpoint into the engine (weights, optimizer, and the scheduler unless not
+    `scheduler`: a new phase keeps its own) on every rank; returns the client state. Weights-only,
+    files verified first."""
     if not is_complete(path):
         raise UsageError(f"checkpoint {path} is incomplete (no {MARKER}); it cannot be resumed")
     verify_loadable(path)
     with weights_only_loads():
         loaded, client_state = engine.load_checkpoint(
-            str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+            str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=scheduler
         )
     if loaded is None:
         raise UsageError(f"DeepSpeed could not load checkpoint {path}")

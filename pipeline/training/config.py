@@ -64,6 +64,12 @@ class ModelArgs:
 
     model_config: Optional[str] = cli.knob(None, "tiny | base | large | path to a BertConfig JSON (from scratch)")
     init_from: Optional[str] = cli.knob(None, "pre-trained Hugging Face BERT folder to start from (TaCL's setting)")
+    continue_from: Optional[str] = cli.knob(
+        None,
+        "start a new phase from a run (its --save_dir: the latest complete checkpoint) or a checkpoint folder: its "
+        "weights and optimizer state carry over; the data, schedule and steps are this run's (e.g. phase 2 at a "
+        "longer --max_seq_len)",
+    )
     tokenizer: Optional[str] = cli.knob(None, "HF tokenizer folder (default: DATA/tokenizer)")
     allow_tokenizer_mismatch: bool = cli.knob(
         False,
@@ -279,6 +285,7 @@ RECORD_KEYS = (
     "samples",
     "bert_config",
     "identity",
+    "phase",
 )
 
 
@@ -317,6 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+MODEL_SOURCES = ("model_config", "init_from", "continue_from")
+ONE_SOURCE = (
+    "give exactly one of --model_config (from scratch), --init_from (a pre-trained folder) and --continue_from "
+    "(a new phase of a run)"
+)
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> TrainConfig:
     """Parse the command line into a resolved TrainConfig. Malformed flags exit 2 (argparse); bad values
     raise UsageError naming the flag."""
@@ -325,11 +339,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainConfig:
     file_values = cli.load_config_file(ns.config) if ns.config else {}
     source = f"--config {ns.config}"
     cli_values = {key: cli.set_values(ns, cls) for key, cls in SECTIONS.items()}
-    # The model's source is one of two flags: one typed here replaces the file's other one.
+    # The model's source is one of three flags: one typed here replaces the file's others.
     model_file = dict(file_values.get("model", {}))
-    for typed, other in (("init_from", "model_config"), ("model_config", "init_from")):
+    for typed in MODEL_SOURCES:
         if cli_values["model"].get(typed) is not None:
-            model_file.pop(other, None)
+            for other in MODEL_SOURCES:
+                if other != typed:
+                    model_file.pop(other, None)
     if "model" in file_values:
         file_values = {**file_values, "model": model_file}
     parts = cli.merge_sections(
@@ -339,9 +355,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> TrainConfig:
     missing = cli.missing_required(parts)
     if missing:
         parser.error(f"the following arguments are required: {', '.join(missing)} (as flags or in a --config file)")
-    m = parts["model"]
-    if (m.model_config is None) == (m.init_from is None):
-        parser.error("give exactly one of --model_config (from scratch) and --init_from (a pre-trained folder)")
+    if sum(getattr(parts["model"], k) is not None for k in MODEL_SOURCES) != 1:
+        parser.error(ONE_SOURCE)
     cfg = TrainConfig(**parts, print_config=ns.print_config)
     resolve_defaults(cfg)
     validate(cfg)
@@ -378,11 +393,9 @@ def resolve_defaults(cfg: TrainConfig) -> None:
 def validate(cfg: TrainConfig) -> None:
     """Checks on values alone (no files but --model_config's): UsageError naming the flag and the value."""
     m, d, o, s, r = cfg.model, cfg.data, cfg.objective, cfg.schedule, cfg.run
-    if (m.model_config is None) == (m.init_from is None):
-        raise UsageError(
-            "give exactly one of --model_config (from scratch) and --init_from (a pre-trained folder)"
-            + (f"; got both: {m.model_config!r} and {m.init_from!r}" if m.model_config else "")
-        )
+    given = {k: getattr(m, k) for k in MODEL_SOURCES if getattr(m, k) is not None}
+    if len(given) != 1:
+        raise UsageError(ONE_SOURCE + (f"; got {given}" if given else ""))
     if s.max_steps < 1:
         raise UsageError(f"--max_steps must be >= 1, got {s.max_steps}")
     if not s.lr > 0:
@@ -443,7 +456,7 @@ def describe_json(cfg: TrainConfig) -> str:
 
 
 # Knobs that name files or folders: another spelling of the same place is not a change.
-PATH_KNOBS = ("data.data", "model.model_config", "model.init_from", "model.tokenizer")
+PATH_KNOBS = ("data.data", "model.model_config", "model.init_from", "model.continue_from", "model.tokenizer")
 SCHEDULE_KNOBS = ("schedule.lr", "schedule.warmup_steps", "schedule.max_steps")
 
 

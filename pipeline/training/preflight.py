@@ -52,6 +52,7 @@ class Prepared:
     resume_notes: list[str] = field(default_factory=list)  # allowed setting changes of a resumed run
     identity: dict[str, Any] = field(default_factory=dict)  # what the run trains on, by content (`content_identity`)
     eval_data: Optional[DataInfo] = None  # the held-out shards (--eval_data), or None: no evaluation
+    phase: dict[str, Any] = field(default_factory=dict)  # `phase_record`: which phase of a training this run is
 
 
 def prepare(cfg: TrainConfig) -> Prepared:
@@ -94,6 +95,7 @@ def prepare(cfg: TrainConfig) -> Prepared:
         resume_notes=notes,
         identity=identity,
         eval_data=eval_info,
+        phase=phase_record(cfg),
     )
 
 
@@ -158,7 +160,14 @@ def model_config(cfg: TrainConfig, info: DataInfo, *, tokenizer: Any, tokenizer_
     from pipeline.modeling.bert_config import bert_config, check_positions, check_vocab
     from pipeline.modeling.student import check_init_from
 
-    if cfg.model.init_from:
+    tokenizer_origin = cfg.model.init_from
+    if cfg.model.continue_from:
+        from transformers import BertConfig
+
+        folder = phase_source(cfg.model.continue_from)[1] / checkpoint.HF_SUBDIR
+        source, tokenizer_origin = f"--continue_from {cfg.model.continue_from}", str(folder)
+        bcfg = BertConfig.from_pretrained(folder)
+    elif cfg.model.init_from:
         source = f"--init_from {cfg.model.init_from}"
         bcfg = check_init_from(cfg.model.init_from)
     else:
@@ -177,9 +186,10 @@ def model_config(cfg: TrainConfig, info: DataInfo, *, tokenizer: Any, tokenizer_
         info,
         tokenizer_dir=tokenizer_dir,
         tokenizer_flag=cfg.model.tokenizer,
-        init_from=cfg.model.init_from,
+        init_from=tokenizer_origin,
         allow=allow_mismatch,
     )
+    # A phase at a longer length (--continue_from onto 512-token shards) needs the positions for it.
     check_positions(max_seq_len=info.max_seq_len, config=bcfg, model_source=source)
     # The student's attention dropout is the run's knob, whatever the preset or folder says (0 by
     # default: the fused attention kernels have none); RUN/config.json and the export record it.
@@ -222,6 +232,38 @@ def content_identity(info: DataInfo, tokenizer: Any) -> dict[str, Any]:
         vocab = s.manifest.vocab_fingerprint if s.manifest else None
         sources.append({"samples": s.samples, "index_sha256": index, "vocabulary": vocab})
     return {"data": sources, "tokenizer": vocabulary_of(tokenizer).fingerprint}
+
+
+def phase_source(spec: str) -> tuple[int, Path]:
+    """(step, folder) of the checkpoint --continue_from names: a checkpoint folder, or a run folder's
+    newest complete one that reads (weights-only, like every load). UsageError naming the flag."""
+    path = Path(spec)
+    if checkpoint.is_complete(path):
+        step = int(json.loads((path / checkpoint.MARKER).read_text())["step"])
+        checkpoint.verify_loadable(path)
+        return step, path
+    found = checkpoint.loadable_checkpoint(path) if path.is_dir() else None
+    if found is None:
+        raise UsageError(
+            f"--continue_from {spec}: neither a complete checkpoint folder nor a run folder holding one "
+            f"(RUN/checkpoints/step_N with {checkpoint.MARKER}); pass the first phase's --save_dir"
+        )
+    return found
+
+
+def phase_record(cfg: TrainConfig) -> dict[str, Any]:
+    """This run's phase, for RUN/config.json and the metrics lines: its index (1 for a run that does not
+    continue another), the checkpoint it continued from, and the optimizer steps before it (the earlier
+    phases' together)."""
+    if not cfg.model.continue_from:
+        return {"index": 1, "continued_from": None, "steps_before": 0}
+    step, path = phase_source(cfg.model.continue_from)
+    before = (checkpoint.saved_config(path) or {}).get("phase") or {"index": 1, "steps_before": 0}
+    return {
+        "index": before["index"] + 1,
+        "continued_from": str(path.resolve()),
+        "steps_before": before["steps_before"] + step,
+    }
 
 
 def resume_point(cfg: TrainConfig) -> Optional[tuple[int, Path]]:

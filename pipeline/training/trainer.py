@@ -77,7 +77,16 @@ def build_student(prep: Prepared, *, compile: bool = False):
     from pipeline.modeling.student import Student, load_pretrained
 
     torch.manual_seed(prep.cfg.run.seed)
-    if prep.cfg.model.init_from:
+    if prep.cfg.model.continue_from:
+        from pipeline.training.hf_export import load_student
+        from pipeline.training.preflight import phase_source
+
+        path = phase_source(prep.cfg.model.continue_from)[1]
+        net, _ = load_student(path)
+        net.config.attention_probs_dropout_prob = prep.bert_config.attention_probs_dropout_prob
+        net.train()
+        lines = [f"phase {prep.phase['index']}: the weights of {path} (after {prep.phase['steps_before']} steps)"]
+    elif prep.cfg.model.init_from:
         net, report = load_pretrained(prep.cfg.model.init_from, config=prep.bert_config)
         lines = report.lines()
     else:
@@ -178,6 +187,8 @@ def setup(prep: Prepared, *, batches: Optional[Any] = None, hooks: Sequence[Loss
         resolved={**cfg.to_dict(), **_record(prep, micro=micro, accum=program.accum, dtype=dtype, device=device)},
         peak=device_peak_flops(device, dtype=dtype, override_tflops=cfg.run.peak_tflops),
     )
+    if prep.resume_from is None and cfg.model.continue_from:
+        _start_phase(prep, engine)
     if prep.resume_from is not None:
         m = cfg.model
         source = f"--init_from {m.init_from}" if m.init_from else f"--model_config {m.model_config}"
@@ -196,6 +207,19 @@ def setup(prep: Prepared, *, batches: Optional[Any] = None, hooks: Sequence[Loss
         run.save_dir.mkdir(parents=True, exist_ok=True)
         (run.save_dir / "config.json").write_text(json.dumps(run.resolved, indent=2, default=str) + "\n")
     return run
+
+
+def _start_phase(prep: Prepared, engine: Any) -> None:
+    """A new phase (--continue_from): the optimizer state of the checkpoint it continues, not its
+    schedule, step or data position (this run's own start at step 0)."""
+    from pipeline.training.preflight import phase_source
+
+    path = phase_source(prep.cfg.model.continue_from)[1]
+    checkpoint.load(engine, path, scheduler=False)
+    log.info(
+        f"phase {prep.phase['index']}: continuing from {path} (weights and optimizer state; this run's data and "
+        f"schedule from step 0; {prep.phase['steps_before']} steps before it)"
+    )
 
 
 def _evaluator(prep: Prepared, program: StepProgram) -> Evaluator:
@@ -295,6 +319,7 @@ def _record(prep: Prepared, *, micro: int, accum: int, dtype: torch.dtype, devic
         "samples": prep.data.samples,
         "bert_config": prep.bert_config.to_dict(),
         "identity": prep.identity,
+        "phase": prep.phase,
     }
     assert tuple(record) == RECORD_KEYS, (tuple(record), RECORD_KEYS)
     return record
@@ -352,8 +377,11 @@ def log_record(run: Run, meter: Meter, *, lr: float) -> dict[str, Any]:
     mem, mem_kind = memory_gb(run.device)
     grad_norm = run.engine.get_global_grad_norm()
     flops_per_s = vals["flops"] / elapsed
+    phase = run.prep.phase
     return {
         "step": run.state.step,
+        "phase": phase["index"],
+        "global_step": phase["steps_before"] + run.state.step,  # across the phases of a training
         **{k: vals[k] for k in keys},
         "lr": lr,
         "grad_norm": meter.grad_norm(grad_norm),  # NaN (null in metrics.jsonl) for a step skipped whole

@@ -82,11 +82,15 @@ SHARD_SETS = {
     "packed16": ("en", "packed", 16, 8, "tiny"),
     "nsp48": ("en", "nsp", 48, 40, "tiny"),
     "nsp48_minilm": ("en", "nsp", 48, 30, "minilm"),
+    # the two phases of one tokenizer and corpus (--continue_from): 64 then 128 tokens
+    "packed64": ("en", "packed", 64, 40, "tiny"),
+    "packed128": ("en", "packed", 128, 40, "tiny"),
     # with a held-out split (build_shards.py --eval_share): OUTPUT/eval
     "packed32_eval": ("en", "packed", 32, 40, "tiny"),
     "nsp48_eval": ("en", "nsp", 48, 40, "tiny"),
 }
 EVAL_SHARES = {"packed32_eval": 0.25, "nsp48_eval": 0.25}
+CORPUS_SEEDS = {"packed128": len("packed64")}  # one corpus for both phases
 
 _BUILD_SCRIPT = textwrap.dedent("""
     import json, sys
@@ -107,7 +111,8 @@ def build_shard_sets(root: Path) -> dict[str, Path]:
     write_tokenizer(tok_dir)
     specs = []
     for name, (lang, fmt, length, docs, tok) in SHARD_SETS.items():
-        text = write_text_corpus(root / "corpora" / f"{name}.txt", num_docs=docs, seed=len(name), lang=lang)
+        corpus_seed = CORPUS_SEEDS.get(name, len(name))
+        text = write_text_corpus(root / "corpora" / f"{name}.txt", num_docs=docs, seed=corpus_seed, lang=lang)
         specs.append(
             {
                 "inputs": [f"{lang}:{text}"],
