@@ -2,7 +2,7 @@
 #   make demo   install, build shards from the embedded sample corpus, pre-train a tiny model, plot its
 #               curves, export it, and print a summary (first/last losses and accuracy, a fill-mask)
 #   make test   install, run the whole test suite (what CI runs)
-# Also: make test-fast (the unit tier, minutes), make lint (ruff, as CI runs it).
+# Also: make test-fast (the in-process tier, under 2 minutes), make lint (ruff, as CI runs it).
 # People who manage their own environment: pip install -e ".[dev]" and run the same steps by hand.
 
 PYTHON  ?= python3
@@ -61,9 +61,10 @@ test: setup
 	$(PY) -m pytest tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
-# The unit tier: in-process tests, no launcher, no Ray/DeepSpeed/Slurm jobs.
+# The fast tier: the in-process tests of tests/unit (no subprocess, no spawn: tests/unit/conftest.py
+# refuses one); the tests that start processes carry the multiproc marker and run in `make test`.
 test-fast: setup
-	$(PY) -m pytest tests/unit; rc=$$?; \
+	$(PY) -m pytest tests/unit -m "not multiproc"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-fast: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 lint: setup

@@ -73,3 +73,41 @@ def pytest_unconfigure(config) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(getattr(config, "_tokencl_exitstatus", 1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The two tiers: "fast" = tests/unit without the multiproc marker (in-process: `make test-fast`), and
+# the rest (real DeepSpeed, Ray and Slurm jobs, subprocesses). The summary gives each tier's time.
+# ---------------------------------------------------------------------------------------------------
+
+_TIER_SECONDS: dict[str, float] = {}
+_TIER_COUNTS: dict[str, int] = {}
+
+
+def tier_of(item) -> str:
+    in_unit = Path(str(item.fspath)).resolve().is_relative_to(REPO / "tests" / "unit")
+    return "fast" if in_unit and item.get_closest_marker("multiproc") is None else "slow"
+
+
+def pytest_runtest_logreport(report) -> None:
+    tier = "fast" if "fast_tier" in report.keywords else "slow"
+    _TIER_SECONDS[tier] = _TIER_SECONDS.get(tier, 0.0) + report.duration
+    if report.when == "call":
+        _TIER_COUNTS[tier] = _TIER_COUNTS.get(tier, 0) + 1
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if tier_of(item) == "fast":
+            item.add_marker("fast_tier")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _TIER_SECONDS:
+        return
+    parts = [
+        f"{tier} tier: {_TIER_COUNTS.get(tier, 0)} tests, {_TIER_SECONDS[tier]:.0f} s"
+        for tier in ("fast", "slow")
+        if tier in _TIER_SECONDS
+    ]
+    terminalreporter.write_line("test time by tier (setup + call + teardown): " + "; ".join(parts))

@@ -51,6 +51,7 @@ def test_malformed_flags_are_argparse_errors(tmp_path, text_file, capsys):
     assert exc.value.code == 2 and "--format: invalid choice: 'mlm'" in capsys.readouterr().err
 
 
+@pytest.mark.multiproc
 def test_unloadable_tokenizer_and_missing_column(tmp_path, text_file, capsys):
     assert (
         main(["--input", str(text_file), "--output", str(tmp_path / "o"), "--tokenizer", str(tmp_path / "none")]) == 2
@@ -64,6 +65,7 @@ def test_unloadable_tokenizer_and_missing_column(tmp_path, text_file, capsys):
     assert "--text_field text: no such column" in capsys.readouterr().err
 
 
+@pytest.mark.multiproc
 def test_script_entry_point_exits_2(tmp_path):
     """`python preprocessing/build_shards.py` works without the repo root on sys.path."""
     missing = tmp_path / "nothing_here.txt"
@@ -120,6 +122,7 @@ def test_unknown_encoding_exits_2(tmp_path, text_file, capsys):
 
 
 # ---- the output folder's lock ------------------------------------------------------------------
+@pytest.mark.multiproc
 def test_a_locked_output_exits_2_naming_the_holder(tmp_path, text_file, capsys):
     """Another process holds OUTPUT's lock (as a running build does, from before its Ray starts to
     its end): a second build exits 2 naming that pid and host, and touches nothing."""
@@ -162,6 +165,7 @@ def test_a_locked_output_exits_2_naming_the_holder(tmp_path, text_file, capsys):
     lock.release()
 
 
+@pytest.mark.multiproc
 def test_a_stale_lock_is_taken_over_and_a_foreign_one_refused(tmp_path, capsys):
     import json
     import os

@@ -141,6 +141,7 @@ def test_missing_and_malformed(tmp_path, capsys):
         C.parse_args(BASE + ["--data_weights", "nan"])
 
 
+@pytest.mark.multiproc
 def test_print_config_is_replayable(tmp_path):
     r = subprocess.run(
         [sys.executable, str(REPO / "pipeline" / "train.py"), *BASE, "--print_config"],

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.multiproc  # every test here starts a process (the slow tier)
+
 REPO = Path(__file__).resolve().parents[2]
 ENTRY_POINTS = [
     "pipeline/train.py",

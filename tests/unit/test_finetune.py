@@ -341,6 +341,7 @@ def test_finetuning_learns_constructed_tasks(tmp_path, tiny_model):
     )
 
 
+@pytest.mark.multiproc
 def test_finetune_cli_word_segmentation_writes_tables(tmp_path, tiny_model):
     cws = write_tagging(tmp_path / "toy_cws", scheme="bmes")
     out = tmp_path / "results"

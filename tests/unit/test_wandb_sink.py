@@ -19,6 +19,8 @@ from pipeline.training.metrics import MetricsWriter  # noqa: E402
 from preprocessing.errors import UsageError  # noqa: E402
 from tests.support.wandb_files import read_offline_runs  # noqa: E402
 
+pytestmark = pytest.mark.multiproc  # every test here starts a process (the slow tier)
+
 
 @pytest.fixture(autouse=True)
 def offline(monkeypatch, tmp_path):
