@@ -1,6 +1,6 @@
 """The Slurm launchers on a real Slurm: a controller and two fake nodes (n1, n2) on this machine.
 
-One cluster for the whole module (tests/slurm_cluster.py). The training jobs are the real
+One cluster for the whole module (tests/support/slurm_cluster.py). The training jobs are the real
 slurm/taco_64gpu.sh, submitted with `sbatch --wait` and sized down by sbatch options and the
 script's environment knobs: 2 nodes x 1 CPU rank, a tiny model, shards made by our builder.
 

@@ -1,6 +1,6 @@
 """PNG figures of the representation analysis (matplotlib, Agg backend: no display needed).
 
-Each function takes plain numbers (from `pipeline/analysis_run.py`'s metrics) and a path, writes one
+Each function takes plain numbers (from pipeline.evaluation.representation.report's metrics) and a path, writes one
 PNG and returns the path. Shape legend: L tokens of the heatmap sentence.
 """
 
