@@ -47,15 +47,19 @@ def reusable_shards(folders: Sequence[Path]) -> bool:
     return True
 
 
-def build_bench_shards(work: Path, *, tokenizer: str, seq_len: int, repeat: int) -> dict[str, Path]:
+def build_bench_shards(
+    work: Path, *, tokenizer: str, seq_len: int, repeat: int, eval_share: float = 0.0
+) -> dict[str, Path]:
     """nsp and packed shards of the sample corpus (repeated `repeat` times, so that an epoch holds
-    many batches) at `seq_len`, built by preprocessing.builder. Reused when `reusable_shards`."""
+    many batches) at `seq_len`, built by preprocessing.builder, with a held-out split of `eval_share`
+    (OUTPUT/eval). Reused when `reusable_shards`."""
     import ray
 
     from preprocessing.builder import build_shards
     from preprocessing.config import BuildConfig
 
-    out = {fmt: work / f"{fmt}{seq_len}x{repeat}" for fmt in ("nsp", "packed")}
+    held = f"e{eval_share:g}" if eval_share else ""
+    out = {fmt: work / f"{fmt}{seq_len}x{repeat}{held}" for fmt in ("nsp", "packed")}
     if reusable_shards(list(out.values())):
         return out
     work.mkdir(parents=True, exist_ok=True)
@@ -80,6 +84,7 @@ def build_bench_shards(work: Path, *, tokenizer: str, seq_len: int, repeat: int)
                     num_workers=2,
                     overwrite=True,
                     progress=False,
+                    eval_share=eval_share,
                 )
             )
     finally:

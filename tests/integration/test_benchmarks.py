@@ -93,6 +93,12 @@ def test_the_device_check_runs_its_stages_on_cpu(tmp_path):
     assert stages["train_mlm_packed"]["metrics"]["tokens_per_s"] > 0
 
 
+def test_bench_evaluation_quick(tmp_path):
+    report = _run(["pipeline.bench.evaluation", "--quick", "--work_dir", str(tmp_path / "w")], tmp_path)
+    assert report["train_step_s"] > 0 and report["eval_s"] > 0 and report["eval_with_health_s"] > 0
+    assert report["eval_share_of_training"] > 0 and report["target_at_most"] == 0.03
+
+
 def test_bench_train_quick(tmp_path):
     report = _run(["pipeline.bench.train", "--quick", "--work_dir", str(tmp_path / "w")], tmp_path)
     assert set(report["ratios"]) == {"tacl_over_mlm", "taco_over_mlm", "masked_over_full_head", "loader_over_trainer"}
