@@ -15,8 +15,8 @@ The files go to CHECKPOINT/resharded_world_M/, a folder inside the source checkp
 it for a checkpoint of the run (those are RUN/checkpoints/step_* with their complete.json), it goes
 when its checkpoint is pruned, and it is removed once the engine has loaded it. Every rank writes
 its own optimizer file (reading only the byte ranges it needs: the source files are memory-mapped),
-rank 0 the model states; it is written under a temporary name and renamed when every rank is done.
-Everything is read weights-only (pipeline.training.checkpoint.weights_only_loads).
+rank 0 the model states; a copy left by a job that died is replaced. Everything is read weights-only
+(pipeline.training.checkpoint.weights_only_loads).
 
 Why not DeepSpeed's universal checkpoint (deepspeed/checkpoint/ds_to_universal.py and
 "load_universal"): the converter unpickles every file with weights_only=False, writes a folder per
@@ -30,7 +30,6 @@ Not handled (refused, naming the reason): ZeRO-3 and no-ZeRO checkpoints, model 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 import zipfile
@@ -285,22 +284,22 @@ def resharded(path: Path, *, world: int, sizes: list[int]) -> Path:
     that folder, for engine.load_checkpoint. `sizes`: `engine_partition_sizes`. Raises UsageError on
     every rank when any rank failed."""
     target = path / f"{RESHARDED_PREFIX}{world}"
-    tmp = path / f".{target.name}.tmp"
     if distributed.is_main():
-        for old in (tmp, target):  # left by a job that died while resharding or loading
-            shutil.rmtree(old, ignore_errors=True)
-        tmp.mkdir()
+        shutil.rmtree(target, ignore_errors=True)  # left by a job that died while resharding or loading
     distributed.barrier()
     t0 = time.perf_counter()
     error: Optional[BaseException] = None
     try:
         src = read_source(path)
-        write_rank(src, tmp, rank=distributed.rank(), world=world, sizes=sizes)
+        target.mkdir(exist_ok=True)  # on every rank: nothing to wait for on storage shared by nodes
+        write_rank(src, target, rank=distributed.rank(), world=world, sizes=sizes)
         if distributed.is_main():
-            write_model_states(src, tmp, world=world)
+            write_model_states(src, target, world=world)
     except (UsageError, OSError, RuntimeError) as e:
         error = e
     failed = [r for r, row in enumerate(distributed.all_gather_ints([int(error is not None)])) if row[0]]
+    if failed and distributed.is_main():
+        shutil.rmtree(target, ignore_errors=True)
     if isinstance(error, UsageError):
         raise error
     if error is not None or failed:
@@ -311,8 +310,7 @@ def resharded(path: Path, *, world: int, sizes: list[int]) -> Path:
         ) from error
     if distributed.is_main():
         record = {"source": path.name, "from_world": src.world, "to_world": world}
-        (tmp / PROVENANCE).write_text(json.dumps(record) + "\n")
-        os.replace(tmp, target)
+        (target / PROVENANCE).write_text(json.dumps(record) + "\n")
         elements = sum(t.numel() for o in src.optimizers for t in o[_FP32])
         log.info(
             f"world size changed {src.world} -> {world}: resharded the ZeRO optimizer state of {path.name} "
