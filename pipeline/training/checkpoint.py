@@ -240,10 +240,14 @@ class CheckpointSpaceError(UsageError):
 
 def previous_size(save_dir: str | Path) -> int:
     """Bytes of the newest complete checkpoint: what the next one needs (0 before the first)."""
+    from pipeline.training.reshard import RESHARDED_PREFIX
+
     found = latest_checkpoint(save_dir)
     if found is None:
         return 0
-    return sum(f.stat().st_size for f in found[1].rglob("*") if f.is_file())
+    # Not a copy resharded for another world size (pipeline.training.reshard), left by a job that died.
+    files = [f for f in found[1].rglob("*") if RESHARDED_PREFIX not in f.relative_to(found[1]).parts[0]]
+    return sum(f.stat().st_size for f in files if f.is_file())
 
 
 def space_shortfall(folder: Path, *, need_bytes: int) -> str:
@@ -406,16 +410,26 @@ def loadable_checkpoint(save_dir: str | Path) -> Optional[tuple[int, Path]]:
 def load(engine: Any, path: Path, *, scheduler: bool = True) -> dict[str, Any]:
     """Load a complete checkpoint into the engine (weights, optimizer, and the scheduler unless not
     `scheduler`: a new phase keeps its own) on every rank; returns the client state. Weights-only,
-    files verified first."""
+    files verified first. A checkpoint written by another number of ranks is loaded from a copy of its
+    ZeRO state split for this one (pipeline.training.reshard)."""
     if not is_complete(path):
         raise UsageError(f"checkpoint {path} is incomplete (no {MARKER}); it cannot be resumed")
+    from pipeline.training import reshard
+
     verify_loadable(path)
+    folder = path
+    world = distributed.world_size()
+    if reshard.saved_world(path) not in (None, world):
+        # Written by another number of ranks: DeepSpeed loads only ZeRO state split for this one.
+        folder = reshard.resharded(path, world=world, sizes=reshard.engine_partition_sizes(engine))
     with weights_only_loads():
         loaded, client_state = engine.load_checkpoint(
-            str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=scheduler
+            str(folder.parent), tag=folder.name, load_optimizer_states=True, load_lr_scheduler_states=scheduler
         )
     if loaded is None:
         raise UsageError(f"DeepSpeed could not load checkpoint {path}")
+    if folder != path:
+        reshard.remove(folder)
     _apply_scheduler_lr(engine)
     return client_state
 

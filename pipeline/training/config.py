@@ -189,6 +189,12 @@ class RunArgs:
         "recomputed at the resumed step): e.g. a lower rate after the loss diverged",
         math=False,
     )
+    allow_batch_change: bool = cli.knob(
+        False,
+        "on resume, allow another global batch (micro x accumulation x ranks) than the run's: e.g. on fewer "
+        "nodes when the DeepSpeed JSON's train_batch_size cannot keep it",
+        math=False,
+    )
     resume_unchecked: bool = cli.knob(
         False,
         "resume a checkpoint that records no configuration (neither run_config.json nor one in its client "

@@ -91,6 +91,17 @@ def resolve_ds_config(ds: dict[str, Any], *, schedule: ScheduleArgs, world_size:
     return ds
 
 
+def batch_shape(ds: dict[str, Any], *, world_size: int) -> tuple[int, int, int]:
+    """(micro-batch per rank, gradient accumulation, global batch) of a resolved DeepSpeed config at
+    `world_size` ranks, as DeepSpeed derives them: the accumulation from train_batch_size when the
+    JSON sets that instead (so the global batch stays when the world size changes), else 1."""
+    micro, accum = ds["train_micro_batch_size_per_gpu"], ds.get("gradient_accumulation_steps")
+    total = ds.get("train_batch_size")
+    if accum is None:
+        accum = total // (micro * world_size) if total is not None else 1
+    return micro, accum, micro * accum * world_size
+
+
 def client_scheduler(ds: dict[str, Any], *, schedule: ScheduleArgs) -> tuple[dict[str, Any], Optional[Callable]]:
     """(the config DeepSpeed is given, a scheduler factory for deepspeed.initialize or None).
 

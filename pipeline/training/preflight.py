@@ -26,7 +26,7 @@ from pipeline import distributed, objectives
 from pipeline.data.shards import DataInfo, default_cache_root, inspect_data
 from pipeline.training import checkpoint, log
 from pipeline.training.config import TrainConfig, resume_changes
-from pipeline.training.ds_config import load_ds_json, resolve_ds_config
+from pipeline.training.ds_config import batch_shape, load_ds_json, resolve_ds_config
 from pipeline.training.tokenizer_identity import check_tokenizer_identity
 from pipeline.training.wandb_sink import check_available as check_report_to
 from preprocessing.errors import UsageError
@@ -345,11 +345,12 @@ def check_resume(
     bert_config: Optional[dict[str, Any]] = None,
 ) -> list[str]:
     """Refuse to resume a checkpoint with settings that change what the run computes (model, objective
-    and its knobs, data and weights, tokenizer, seed, schedule, the DeepSpeed JSON's batch and precision,
-    the world size). The data and tokenizer are compared by `identity` (content_identity) and the model
-    by its resolved `bert_config` where the checkpoint records them, so a folder rebuilt or a config
-    file edited in place is a change and another path to the same content is not. Returns a line per
-    allowed change (intervals, export dir, ...) to record."""
+    and its knobs, data and weights, tokenizer, seed, schedule, the DeepSpeed JSON's micro-batch and
+    precision, the global batch: `_batch_changes`; another number of ranks is allowed). The data and
+    tokenizer are compared by `identity` (content_identity) and the model by its resolved
+    `bert_config` where the checkpoint records them, so a folder rebuilt or a config file edited in
+    place is a change and another path to the same content is not. Returns a line per allowed change
+    (intervals, export dir, world size, ...) to record."""
     where = f"--resume {cfg.run.resume} from {checkpoint_dir}"
     saved = checkpoint.saved_config(checkpoint_dir)
     if saved is None:
@@ -360,15 +361,20 @@ def check_resume(
             f"state), so nothing about this job can be checked against it; pass --resume_unchecked to resume it "
             f"anyway, or start a new --save_dir"
         )
-    saved_world = saved.get("engine", {}).get("world_size")
-    if saved_world is not None and saved_world != world_size:
-        raise UsageError(
-            f"{where}: the run was trained on {saved_world} rank(s), this launch has {world_size}; "
-            f"resume with {saved_world} ranks (the optimizer shards and the data order are per rank), "
-            f"or start a new --save_dir"
-        )
     math, allowed = resume_changes(saved, cfg)
-    math.update(_deepspeed_changes(saved.get("deepspeed"), ds))
+    engine = saved.get("engine") or {}
+    if "global_batch" in engine:
+        # The batch is compared as the global batch the JSON makes at each world size (_batch_changes).
+        math.update(_deepspeed_changes(saved.get("deepspeed"), ds, skip=_BATCH_KEYS))
+        _batch_changes(math, allowed, engine=engine, ds=ds, world_size=world_size, allow=cfg.run.allow_batch_change)
+    else:
+        math.update(_deepspeed_changes(saved.get("deepspeed"), ds))
+        if engine.get("world_size") not in (None, world_size):
+            raise UsageError(
+                f"{where}: the run was trained on {engine['world_size']} rank(s), this launch has {world_size}, "
+                f"and the checkpoint does not record its global batch; resume with {engine['world_size']} ranks, "
+                f"or start a new --save_dir"
+            )
     _compare_content(math, allowed, saved=saved, identity=identity, bert_config=bert_config)
     if math:
         listing = "; ".join(f"{key}: saved {before!r}, now {after!r}" for key, (before, after) in sorted(math.items()))
@@ -377,12 +383,52 @@ def check_resume(
             hints.append("a longer --max_steps needs --extend_schedule")
         if any(key.startswith("schedule.") for key in math):
             hints.append("--allow_schedule_change allows another --lr, --warmup_steps or --max_steps")
+        if _GLOBAL_BATCH in math:
+            hints.append(_batch_hint(math[_GLOBAL_BATCH][0], ds=ds, world_size=world_size))
         hint = f" ({'; '.join(hints)})" if hints else ""
         raise UsageError(
             f"{where}: these settings differ from the run's and would change what it computes: "
             f"{listing}{hint}; resume with the saved values or start a new --save_dir"
         )
     return [f"resume: {key} {before!r} -> {after!r}" for key, (before, after) in sorted(allowed.items())]
+
+
+# The DeepSpeed JSON's batch keys: compared as the global batch they make (micro x accumulation x
+# ranks), so that a resume on another number of ranks may keep it by another accumulation.
+_BATCH_KEYS = (("train_batch_size",), ("gradient_accumulation_steps",))
+_GLOBAL_BATCH = "global batch (micro x accumulation x ranks)"
+
+
+def _batch_changes(
+    math: dict[str, tuple],
+    allowed: dict[str, tuple],
+    *,
+    engine: dict[str, Any],
+    ds: dict[str, Any],
+    world_size: int,
+    allow: bool,
+) -> None:
+    """The rule for the batch of a resumed run: the number of ranks and the accumulation may change
+    (a ZeRO-1/2 checkpoint is resharded at load, pipeline.training.reshard); the global batch may not,
+    unless `allow` (--allow_batch_change). The micro-batch per rank is compared with the JSON."""
+    _, accum, batch = batch_shape(ds, world_size=world_size)
+    if engine.get("global_batch") != batch:
+        (allowed if allow else math)[_GLOBAL_BATCH] = (engine.get("global_batch"), batch)
+    if engine.get("world_size") not in (None, world_size):
+        allowed["world size"] = (engine["world_size"], world_size)
+    if engine.get("gradient_accumulation_steps") not in (None, accum):
+        allowed["gradient accumulation"] = (engine["gradient_accumulation_steps"], accum)
+
+
+def _batch_hint(saved_batch: Any, *, ds: dict[str, Any], world_size: int) -> str:
+    micro = ds["train_micro_batch_size_per_gpu"]
+    keep = (
+        f"set train_batch_size {saved_batch} in --ds_config in place of gradient_accumulation_steps (DeepSpeed "
+        f"then keeps it by the accumulation)"
+        if isinstance(saved_batch, int) and saved_batch % (micro * world_size) == 0
+        else f"a global batch of {saved_batch} cannot be made of micro-batches of {micro} on {world_size} ranks"
+    )
+    return f"{keep}; --allow_batch_change continues with the new global batch"
 
 
 # BertConfig keys that record where and how a config was saved, not the model.
@@ -460,14 +506,16 @@ _DEEPSPEED_OPERATIONAL = (
 )
 
 
-def _deepspeed_changes(saved: Optional[dict], now: dict) -> dict[str, tuple]:
+def _deepspeed_changes(saved: Optional[dict], now: dict, *, skip: tuple[tuple[str, ...], ...] = ()) -> dict[str, tuple]:
     if saved is None:
         return {}
     flat_saved, flat_now = _flatten(saved), _flatten(now)
     changed = {}
     for k in sorted(set(flat_saved) | set(flat_now)):
         name = ".".join(k)
-        if k in _SCHEDULE_FILLED or name.startswith(_DEEPSPEED_OPERATIONAL) or flat_saved.get(k) == flat_now.get(k):
+        if k in _SCHEDULE_FILLED or k in skip or name.startswith(_DEEPSPEED_OPERATIONAL):
+            continue
+        if flat_saved.get(k) == flat_now.get(k):
             continue
         changed[f"deepspeed.{name}"] = (flat_saved.get(k), flat_now.get(k))
     return changed

@@ -16,12 +16,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def take_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
-    """({name: value} of the --fault_* flags, the remaining arguments)."""
+def take_flags(argv: list[str], *, prefix: str = "--fault_") -> tuple[dict[str, str], list[str]]:
+    """({name: value} of the flags named `prefix`*, the remaining arguments)."""
     faults, rest, i = {}, [], 0
     while i < len(argv):
-        if argv[i].startswith("--fault_"):
-            faults[argv[i][len("--fault_") :]] = argv[i + 1]
+        if argv[i].startswith(prefix):
+            faults[argv[i][len(prefix) :]] = argv[i + 1]
             i += 2
         else:
             rest.append(argv[i])

@@ -222,8 +222,13 @@ def train_args(
 
 
 def deepspeed_cmd(port: int, args: Sequence[str], *, num_gpus: int = 2) -> list[str]:
-    # --fault_* flags: the trainer under tests/support/faults.py, which installs the loss hooks they name.
-    script = REPO / "tests" / "support" / "faults.py" if any(a.startswith("--fault_") for a in args) else TRAIN_PY
+    # --fault_* flags: the trainer under tests/support/faults.py, which installs the loss hooks they name;
+    # --probe_* flags: under tests/support/probes.py, which reads the engine where they say.
+    script = TRAIN_PY
+    if any(a.startswith("--fault_") for a in args):
+        script = REPO / "tests" / "support" / "faults.py"
+    elif any(a.startswith("--probe_") for a in args):
+        script = REPO / "tests" / "support" / "probes.py"
     return [
         sys.executable,
         "-m",

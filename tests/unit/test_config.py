@@ -197,6 +197,35 @@ def test_resume_refuses_math_changes_and_records_the_others(tmp_path):
         check_resume(saved_cfg, ds=ds, world_size=4, checkpoint_dir=ckpt)
 
 
+def test_another_number_of_ranks_resumes_when_the_global_batch_stays(tmp_path):
+    """The batch rule: ranks and accumulation may change (the ZeRO state is resharded at load), the
+    global batch only with --allow_batch_change; train_batch_size in the JSON keeps it."""
+    saved_cfg = C.parse_args(BASE)
+    ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
+    engine = {"world_size": 2, "gradient_accumulation_steps": 1, "global_batch": 8}
+    ckpt = tmp_path / "step_00000010"
+    ckpt.mkdir()
+    (ckpt / "run_config.json").write_text(json.dumps({**saved_cfg.to_dict(), "deepspeed": ds, "engine": engine}))
+    assert check_resume(saved_cfg, ds=ds, world_size=2, checkpoint_dir=ckpt) == []
+    with pytest.raises(UsageError, match=r"global batch \(micro x accumulation x ranks\): saved 8, now 4") as e:
+        check_resume(saved_cfg, ds=ds, world_size=1, checkpoint_dir=ckpt)
+    assert "set train_batch_size 8 in --ds_config in place of gradient_accumulation_steps" in str(e.value)
+    assert "--allow_batch_change continues with the new global batch" in str(e.value)
+    keep = {"train_micro_batch_size_per_gpu": 4, "train_batch_size": 8}
+    assert check_resume(saved_cfg, ds=keep, world_size=1, checkpoint_dir=ckpt) == [
+        "resume: gradient accumulation 1 -> 2",
+        "resume: world size 2 -> 1",
+    ]
+    allowed = C.parse_args(BASE + ["--allow_batch_change"])
+    assert check_resume(allowed, ds=ds, world_size=1, checkpoint_dir=ckpt) == [
+        "resume: global batch (micro x accumulation x ranks) 8 -> 4",
+        "resume: run.allow_batch_change False -> True",
+        "resume: world size 2 -> 1",
+    ]
+    with pytest.raises(UsageError, match=r"deepspeed.train_micro_batch_size_per_gpu: saved 4, now 2"):
+        check_resume(allowed, ds={**keep, "train_micro_batch_size_per_gpu": 2}, world_size=2, checkpoint_dir=ckpt)
+
+
 def test_a_run_saved_before_a_knob_existed_resumes_at_its_default(tmp_path):
     saved = C.parse_args(BASE).to_dict()
     del saved["model"]["allow_tokenizer_mismatch"]  # a knob this run's version did not have yet
