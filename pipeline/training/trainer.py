@@ -36,6 +36,7 @@ from pipeline.hardware import slow_bf16_reason
 from pipeline.modeling.encoder import Encoder
 from pipeline.modeling.teacher import build_teacher, check_teacher, fingerprint
 from pipeline.training import checkpoint, log, state
+from pipeline.training.budget import TimeBudget
 from pipeline.training.config import RECORD_KEYS
 from pipeline.training.ds_config import client_scheduler
 from pipeline.training.metrics import FlopsModel, Meter, MetricsWriter, device_peak_flops, memory_gb, progress_bar
@@ -387,19 +388,29 @@ def train(prep: Prepared, *, hooks: Sequence[LossHook] = ()) -> int:
 
 
 def loop(run: Run, flag: PreemptionFlag, *, writer: MetricsWriter, bar: Any) -> Optional[str]:
-    """Train to max_steps. Returns None when done, else why it stopped early (after saving)."""
+    """Train to max_steps (or the step the --max_time budget fits). Returns None when done, else why it
+    stopped early (after saving)."""
     cfg = run.prep.cfg
     batches, meter = Batches(run.loader), Meter(run.program.objective.metric_keys(nsp=run.program.nsp), run.device)
     run.engine.train()
     st = run.state
-    while st.step < cfg.schedule.max_steps:
+    end = TimeBudget(
+        max_time_s=cfg.schedule.max_time,
+        max_steps=cfg.schedule.max_steps,
+        state=st,
+        scheduler=run.engine.lr_scheduler,
+        every=cfg.run.control_every,
+    )
+    while st.step < end.total:
+        end.start_step()
         res = train_step(run.program, st, batches, meter)
+        end.end_step()  # the budget's time; every rank re-fits the total at the same steps
         run.last_batch = res.last_batch
         if bar is not None:
             bar.update(1)
         if cfg.run.trace_samples:
             writer.trace(st.step, distributed.all_gather_object(res.sample_ids))
-        last = st.step == cfg.schedule.max_steps
+        last = st.step >= end.total
         log_step = st.step % cfg.run.log_every == 0 or last
         save_step = st.step % cfg.run.save_every == 0 or last
         chunk_end = st.step == cfg.run.stop_after_step and not last
@@ -424,7 +435,7 @@ def loop(run: Run, flag: PreemptionFlag, *, writer: MetricsWriter, bar: Any) -> 
         if chunk_end:
             log.info(f"stopped after step {st.step} (--stop_after_step): saved checkpoint, exiting 0")
             return "--stop_after_step"
-    return None  # at max_steps, saved (or resumed there: nothing left to train)
+    return None  # at the end, saved (or resumed there: nothing left to train)
 
 
 def save(run: Run) -> Path:
