@@ -4,8 +4,8 @@ DeepSpeed (the bare GPU benchmark, pipeline.bench.gpu) and for in-process tests 
 It reads the same DeepSpeed JSON and keeps the same numbers: the weights in the JSON's precision (bf16
 for the shipped zero2.json) with fp32 master weights and fp32 gradient accumulation, AdamW with the
 JSON's betas, eps and weight decay (torch's fused AdamW on CUDA, as `"torch_adam": true, "fused": true`
-asks DeepSpeed for), clipping at `gradient_clipping`, the run's learning-rate schedule (linear warm-up,
-then constant or linear decay, as the JSON's WarmupLR / WarmupDecayLR), and the same calls
+asks DeepSpeed for), clipping at `gradient_clipping`, the run's learning-rate schedule (the JSON's
+WarmupLR / WarmupDecayLR by pipeline.training.schedule, as the trainer computes it), and the same calls
 (pipeline.training.step). What it leaves out is ZeRO's bookkeeping: with one rank there is nothing to
 partition, reduce or gather, so this is the step DeepSpeed's engine runs on one GPU minus its buckets
 and hooks. fp16 (loss scaling) is not supported.
@@ -16,6 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from pipeline.training.schedule import ScheduleLR, shape_from_json
 
 
 class BareEngine:
@@ -102,21 +104,9 @@ def _offsets(groups: list[dict]) -> list[tuple[int, dict]]:
     return out
 
 
-def _schedule(optimizer: torch.optim.Optimizer, sched: Any) -> torch.optim.lr_scheduler.LambdaLR:
-    """The JSON's WarmupLR / WarmupDecayLR (linear warm-up from warmup_min_lr, then constant or linear
-    decay to 0 at total_num_steps), or a constant rate without a scheduler."""
-    if not sched:
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    p = sched.get("params", {})
-    peak, low = float(p.get("warmup_max_lr", optimizer.defaults["lr"])), float(p.get("warmup_min_lr", 0.0))
-    warmup, total = int(p.get("warmup_num_steps", 0)), int(p.get("total_num_steps", 1))
-    decay = sched.get("type") == "WarmupDecayLR"
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (low + (peak - low) * step / warmup) / peak
-        if decay:
-            return max(0.0, (total - step) / max(1, total - warmup))
-        return 1.0
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+def _schedule(optimizer: torch.optim.Optimizer, sched: Any) -> ScheduleLR:
+    """The JSON's WarmupLR / WarmupDecayLR at the numbers written into it (pipeline.training.schedule:
+    the trainer's rates for the same JSON), or a constant rate without a scheduler."""
+    shape = shape_from_json(sched, peak=float(optimizer.defaults["lr"]))
+    total = int(((sched or {}).get("params") or {}).get("total_num_steps", 1))
+    return ScheduleLR(optimizer, shape, total=total)

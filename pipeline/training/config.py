@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from pipeline import objectives
 from pipeline.modeling.bert_config import PRESETS
+from pipeline.training import schedule as lr_schedule
 from preprocessing import cli
 from preprocessing.errors import UsageError
 
@@ -151,14 +152,55 @@ ObjectiveArgs = dataclass(
 )
 
 
+_DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def _duration(text: str) -> float:
+    """--max_time: seconds, or a number with a unit s, m, h or d (90m, 24h, 1.5d); as seconds."""
+    t = text.strip().lower()
+    scale = _DURATION_UNITS.get(t[-1:], None)
+    try:
+        value = float(t[:-1] if scale else t) * (scale or 1.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected seconds or a number with s, m, h or d (e.g. 24h), got {text!r}"
+        ) from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive duration, got {text!r}")
+    return value
+
+
 @dataclass
 class ScheduleArgs:
-    """The numbers of the learning-rate schedule (its shape lives in the DeepSpeed JSON)."""
+    """The numbers of the learning-rate schedule, and WSD's decay (the warm-up's form and whether it
+    decays live in the DeepSpeed JSON; pipeline.training.schedule has the formulas)."""
 
-    max_steps: int = cli.knob(0, "optimizer steps", required=True)
+    max_steps: int = cli.knob(0, "optimizer steps (with --max_time: at most this many)", required=True)
     lr: Optional[float] = cli.knob(None, "peak learning rate (default: the objective's paper value)")
     warmup_steps: Optional[int] = cli.knob(
         None, "linear warm-up steps (default: the objective's paper value, at most 10% of --max_steps)"
+    )
+    schedule: str = cli.knob(
+        "linear",
+        "after the warm-up: linear = the JSON's scheduler (WarmupDecayLR: linear decay to 0 at the last step; "
+        "WarmupLR: constant); wsd = constant at --lr, then a 1-sqrt decay to 0 over the last --decay_steps "
+        "(warm-up-stable-decay; needs WarmupDecayLR in the JSON)",
+        choices=("linear", "wsd"),
+    )
+    decay_steps: Optional[int] = cli.knob(
+        None,
+        "wsd: the decay's length in steps (default: 20% of the run's steps); it starts at --max_steps minus "
+        "this, so a resumed run given another --max_steps before then moves it (to start it now: --max_steps "
+        "STEP+decay_steps)",
+    )
+    max_time: Optional[float] = cli.knob(
+        None,
+        "training-time budget: seconds, or 90m, 24h, 1.5d. The steps' time (not checkpoints or evaluation) "
+        "counts, carried over across resumes; the schedule's total is fitted to the steps that fit, "
+        "re-estimated as the run goes, and the run ends (saved, exported) when it is spent or at --max_steps, "
+        "whichever comes first",
+        parse=_duration,
+        math=False,
     )
 
 
@@ -180,13 +222,13 @@ class RunArgs:
     extend_schedule: bool = cli.knob(
         False,
         "on resume, allow a larger --max_steps than the run started with "
-        "(the linear decay is recomputed for the new total)",
+        "(the decay is recomputed for the new total; a WSD run whose decay has not begun needs no flag)",
         math=False,
     )
     allow_schedule_change: bool = cli.knob(
         False,
-        "on resume, allow another --lr, --warmup_steps or --max_steps than the run's (the schedule is "
-        "recomputed at the resumed step): e.g. a lower rate after the loss diverged",
+        "on resume, allow another --lr, --warmup_steps, --max_steps, --schedule or --decay_steps than the "
+        "run's (the schedule is recomputed at the resumed step): e.g. a lower rate after the loss diverged",
         math=False,
     )
     allow_batch_change: bool = cli.knob(
@@ -408,6 +450,7 @@ def validate(cfg: TrainConfig) -> None:
         raise UsageError(f"--lr must be > 0, got {s.lr}")
     if not 0 <= s.warmup_steps < s.max_steps:
         raise UsageError(f"--warmup_steps must be in [0, --max_steps={s.max_steps}), got {s.warmup_steps}")
+    _validate_schedule(s)
     if r.stop_after_step is not None and not 1 <= r.stop_after_step <= s.max_steps:
         raise UsageError(f"--stop_after_step must be in [1, --max_steps={s.max_steps}], got {r.stop_after_step}")
     for flag, value in (
@@ -456,6 +499,18 @@ def validate(cfg: TrainConfig) -> None:
     objectives.get(o.objective).check_selected(o)
 
 
+def _validate_schedule(s: ScheduleArgs) -> None:
+    if s.decay_steps is not None and s.schedule != "wsd":
+        raise UsageError(f"--decay_steps {s.decay_steps} is WSD's decay: pass --schedule wsd too, or drop it")
+    if s.decay_steps is not None and not 1 <= s.decay_steps <= s.max_steps - s.warmup_steps:
+        raise UsageError(
+            f"--decay_steps must be in [1, --max_steps - --warmup_steps = {s.max_steps - s.warmup_steps}] "
+            f"(the decay follows the warm-up), got {s.decay_steps}"
+        )
+    if s.max_time is not None and not 0 < s.max_time < float("inf"):  # a --config file's value skips the parser
+        raise UsageError(f"--max_time must be a positive number of seconds, got {s.max_time}")
+
+
 def describe_json(cfg: TrainConfig) -> str:
     """The resolved configuration, as --print_config shows it (replayable with --config)."""
     return json.dumps(cfg.to_dict(), indent=2)
@@ -463,26 +518,89 @@ def describe_json(cfg: TrainConfig) -> str:
 
 # Knobs that name files or folders: another spelling of the same place is not a change.
 PATH_KNOBS = ("data.data", "model.model_config", "model.init_from", "model.continue_from", "model.tokenizer")
-SCHEDULE_KNOBS = ("schedule.lr", "schedule.warmup_steps", "schedule.max_steps")
+SCHEDULE_KNOBS = (
+    "schedule.lr",
+    "schedule.warmup_steps",
+    "schedule.max_steps",
+    "schedule.schedule",
+    "schedule.decay_steps",
+)
+_DECAY_END = ("schedule.max_steps", "schedule.decay_steps")  # where the decay starts and ends
 
 
-def resume_changes(saved: dict[str, Any], cfg: TrainConfig) -> tuple[dict[str, tuple], dict[str, tuple]]:
+def resume_changes(
+    saved: dict[str, Any], cfg: TrainConfig, *, step: Optional[int] = None
+) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """(changes that alter the math, changes that do not) between a checkpoint's configuration and this
-    one. Paths are compared resolved (`DIR/`, `a/../DIR` and a relative path are DIR). A longer
-    --max_steps is allowed with --extend_schedule, any change of the schedule's numbers with
-    --allow_schedule_change (both then listed with the allowed changes)."""
+    one, `step` being the checkpoint's. Paths are compared resolved (`DIR/`, `a/../DIR` and a relative
+    path are DIR). Allowed besides: another --max_steps or --decay_steps where the steps taken keep
+    their rates (a WSD decay that begins after `step` both before and after the change; any --max_time
+    run, whose total is re-fitted as it goes and whose begun decay keeps its start); a longer --max_steps with
+    --extend_schedule; any change of the schedule's knobs with --allow_schedule_change (all then
+    listed with the allowed changes)."""
     now = cfg.to_dict()
     math = cli.math_changes(saved, now, SECTIONS)
     allowed = cli.operational_changes(saved, now, SECTIONS)
     for key in PATH_KNOBS:
         if key in math and _place(math[key][0]) == _place(math[key][1]):
             del math[key]
+    if _keeps_steps_taken(math, saved, cfg, step=step):
+        allowed.update({key: math.pop(key) for key in _DECAY_END if key in math})
     before_steps = math.get("schedule.max_steps", (None,))[0]
     if cfg.run.extend_schedule and isinstance(before_steps, int) and cfg.schedule.max_steps > before_steps:
         math.pop("schedule.max_steps")
     if cfg.run.allow_schedule_change:
         allowed.update({key: math.pop(key) for key in SCHEDULE_KNOBS if key in math})
     return math, allowed
+
+
+def _keeps_steps_taken(math: dict[str, tuple], saved: dict[str, Any], cfg: TrainConfig, *, step: Optional[int]) -> bool:
+    """Whether the changes of --max_steps / --decay_steps in `math` leave the rates of the `step` steps
+    taken as they were: nothing else of the schedule changed, and the run is fitted to --max_time (before
+    or now), or is WSD with a decay that begins at or after step - 1 under both settings (the step
+    at the decay's start still runs at --lr)."""
+    if not any(k in math for k in _DECAY_END) or any(k in math for k in SCHEDULE_KNOBS if k not in _DECAY_END):
+        return False
+    if saved.get("schedule", {}).get("max_time") is not None or cfg.schedule.max_time is not None:
+        return True
+    if cfg.schedule.schedule != "wsd" or step is None:
+        return False
+    return min(_wsd_start(cfg.schedule, math, saved=True), _wsd_start(cfg.schedule)) >= step - 1
+
+
+def _wsd_start(s: ScheduleArgs, math: Optional[dict[str, tuple]] = None, *, saved: bool = False) -> int:
+    """The steps taken when the WSD decay of `s` begins, or of the saved run (its values in `math`)."""
+    total, decay = s.max_steps, s.decay_steps
+    if saved:
+        total = math.get("schedule.max_steps", (total,))[0]
+        decay = math.get("schedule.decay_steps", (decay,))[0]
+    shape = lr_schedule.Shape(peak=s.lr, warmup=s.warmup_steps, decay="wsd", decay_steps=decay)
+    return lr_schedule.decay_start(shape, total)
+
+
+def schedule_hints(math: dict[str, tuple], cfg: TrainConfig, *, step: Optional[int]) -> list[str]:
+    """What would allow the schedule's changes in `math` (refused on resume at `step`), for the error."""
+    hints = []
+    s = cfg.schedule
+    if s.schedule == "wsd" and step is not None and any(k in math for k in _DECAY_END):
+        began = _wsd_start(s, math, saved=True)
+        if began < step - 1:
+            hints.append(f"the run's WSD decay had begun (at {began} steps, before the checkpoint's {step})")
+        else:
+            d = lr_schedule.decay_steps_of(
+                lr_schedule.Shape(peak=s.lr, decay="wsd", decay_steps=s.decay_steps), s.max_steps
+            )
+            hints.append(
+                f"the decay would begin before the checkpoint's step {step}; to begin it now pass "
+                f"--max_steps {step + d} --decay_steps {d}"
+            )
+    elif "schedule.max_steps" in math:
+        hints.append("a longer --max_steps needs --extend_schedule")
+    if any(key.startswith("schedule.") for key in math):
+        hints.append(
+            "--allow_schedule_change allows another --lr, --warmup_steps, --max_steps, --schedule or --decay_steps"
+        )
+    return hints
 
 
 def _place(value: Any) -> Any:

@@ -1,8 +1,10 @@
 """The DeepSpeed JSON (--ds_config): read it, check it, and write the schedule's numbers into it.
 
-The JSON owns micro-batch, gradient accumulation, precision, ZeRO, clipping and the optimizer's type;
-pipeline.training.config owns the learning rate, warm-up and total steps, which are filled in here
-once. A JSON that sets one of those too would set it twice, and is refused.
+The JSON owns micro-batch, gradient accumulation, precision, ZeRO, clipping, the optimizer's type and
+the schedule's shape (its warm-up scheduler); pipeline.training.config owns the learning rate, warm-up
+and total steps, which are filled in here once. A JSON that sets one of those too would set it twice,
+and is refused. `client_scheduler` gives DeepSpeed pipeline.training.schedule's scheduler where
+DeepSpeed's own cannot give the run's rates.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from pipeline.training.schedule import ScheduleLR, shape_from_json
 from preprocessing.errors import UsageError
 
 if TYPE_CHECKING:
@@ -77,6 +80,7 @@ def resolve_ds_config(ds: dict[str, Any], *, schedule: ScheduleArgs, world_size:
                 )
         params["lr"] = schedule.lr
     sched = ds.get("scheduler")
+    _check_scheduler_type(sched, schedule=schedule, path=path)
     if sched is not None:
         params = sched.setdefault("params", {})
         for k in _OWNED_SCHEDULER_PARAMS:
@@ -102,45 +106,37 @@ def batch_shape(ds: dict[str, Any], *, world_size: int) -> tuple[int, int, int]:
     return micro, accum, micro * accum * world_size
 
 
+def _check_scheduler_type(sched: Optional[dict[str, Any]], *, schedule: ScheduleArgs, path: str) -> None:
+    """--schedule wsd refines the JSON's WarmupDecayLR, and --max_time re-fits a warm-up scheduler:
+    other scheduler types are not ours to change."""
+    kind = (sched or {}).get("type")
+    if schedule.schedule == "wsd" and kind != "WarmupDecayLR":
+        raise UsageError(
+            f"--ds_config {path}: --schedule wsd needs the JSON's scheduler to be WarmupDecayLR (its warm-up "
+            f"settings are kept; the decay becomes WSD's), not {kind or 'none'}; set scheduler.type to WarmupDecayLR"
+        )
+    if schedule.max_time is not None and sched is not None and kind not in ("WarmupLR", "WarmupDecayLR"):
+        raise UsageError(
+            f"--ds_config {path}: --max_time fits a WarmupLR or WarmupDecayLR schedule to the time budget, not the "
+            f"JSON's {kind}; use one of those or drop --max_time"
+        )
+
+
 def client_scheduler(ds: dict[str, Any], *, schedule: ScheduleArgs) -> tuple[dict[str, Any], Optional[Callable]]:
     """(the config DeepSpeed is given, a scheduler factory for deepspeed.initialize or None).
 
-    DeepSpeed's WarmupLR / WarmupDecayLR warm up for at least 2 steps from warmup_min_lr (0 by
-    default), so --warmup_steps 0 would still train its first steps at lr 0. For 0 the same shapes
-    without the warm-up replace them: constant, or linear from --lr at the first step to 0 at
-    --max_steps. Any other warm-up is DeepSpeed's own."""
+    DeepSpeed runs the JSON's WarmupLR / WarmupDecayLR itself, except where they cannot give the
+    run's rates (pipeline.training.schedule.ScheduleLR then replaces them, with the same shape):
+    --warmup_steps 0 (their warm-up lasts at least 2 steps from warmup_min_lr, 0 by default, so the
+    first steps would train at lr 0), --schedule wsd (not one of DeepSpeed's), and --max_time (the
+    total is re-fitted as the run goes)."""
     sched = ds.get("scheduler")
-    if schedule.warmup_steps != 0 or not sched or sched.get("type") not in ("WarmupLR", "WarmupDecayLR"):
+    wsd, fitted = schedule.schedule == "wsd", schedule.max_time is not None
+    if not sched or not (schedule.warmup_steps == 0 or wsd or fitted):
         return ds, None
-    total, decay = schedule.max_steps, sched["type"] == "WarmupDecayLR"
-
-    def factor(step: int) -> float:
-        return max(0.0, (total - step) / total) if decay else 1.0
+    shape = shape_from_json(sched, peak=schedule.lr, wsd=wsd, decay_steps=schedule.decay_steps)
 
     def build(optimizer):
-        import torch
-
-        class NoWarmup(torch.optim.lr_scheduler.LambdaLR):
-            def load_state_dict(self, state: dict[str, Any]) -> None:
-                if "last_batch_iteration" not in state:
-                    base_lrs = self.base_lrs
-                    super().load_state_dict(state)
-                    # This job's --lr, not the saved one (they differ after --allow_schedule_change).
-                    self.base_lrs = base_lrs
-                    return
-                # Saved by DeepSpeed's own scheduler (a run started before --warmup_steps 0 meant
-                # this): continue at its step, on this schedule, and say so.
-                from pipeline.training import log
-
-                self.last_epoch = int(state["last_batch_iteration"]) + 1
-                for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
-                    group["lr"] = lr
-                self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
-                log.warning(
-                    f"the checkpoint's learning-rate schedule is DeepSpeed's {sched['type']} (its warm-up "
-                    f"ran at least 2 steps); continuing at step {self.last_epoch} without a warm-up"
-                )
-
-        return NoWarmup(optimizer, factor)
+        return ScheduleLR(optimizer, shape, total=schedule.max_steps, fitted=fitted)
 
     return {k: v for k, v in ds.items() if k != "scheduler"}, build

@@ -25,7 +25,7 @@ from typing import Any, Optional
 from pipeline import distributed, objectives
 from pipeline.data.shards import DataInfo, default_cache_root, inspect_data
 from pipeline.training import checkpoint, log
-from pipeline.training.config import TrainConfig, resume_changes
+from pipeline.training.config import TrainConfig, resume_changes, schedule_hints
 from pipeline.training.ds_config import batch_shape, load_ds_json, resolve_ds_config
 from pipeline.training.tokenizer_identity import check_tokenizer_identity
 from pipeline.training.wandb_sink import check_available as check_report_to
@@ -80,7 +80,13 @@ def prepare(cfg: TrainConfig) -> Prepared:
     notes = []
     if resume_from:
         notes = check_resume(
-            cfg, ds=ds, world_size=world, checkpoint_dir=resume_from[1], identity=identity, bert_config=bcfg.to_dict()
+            cfg,
+            ds=ds,
+            world_size=world,
+            checkpoint_dir=resume_from[1],
+            step=resume_from[0],
+            identity=identity,
+            bert_config=bcfg.to_dict(),
         )
     return Prepared(
         cfg=cfg,
@@ -341,6 +347,7 @@ def check_resume(
     ds: dict[str, Any],
     world_size: int,
     checkpoint_dir: Path,
+    step: Optional[int] = None,
     identity: Optional[dict[str, Any]] = None,
     bert_config: Optional[dict[str, Any]] = None,
 ) -> list[str]:
@@ -350,7 +357,8 @@ def check_resume(
     tokenizer are compared by `identity` (content_identity) and the model by its resolved
     `bert_config` where the checkpoint records them, so a folder rebuilt or a config file edited in
     place is a change and another path to the same content is not. Returns a line per allowed change
-    (intervals, export dir, world size, ...) to record."""
+    (intervals, export dir, world size, ...) to record. `step`: the checkpoint's (a WSD run may then
+    move a decay that has not begun)."""
     where = f"--resume {cfg.run.resume} from {checkpoint_dir}"
     saved = checkpoint.saved_config(checkpoint_dir)
     if saved is None:
@@ -361,7 +369,7 @@ def check_resume(
             f"state), so nothing about this job can be checked against it; pass --resume_unchecked to resume it "
             f"anyway, or start a new --save_dir"
         )
-    math, allowed = resume_changes(saved, cfg)
+    math, allowed = resume_changes(saved, cfg, step=step)
     engine = saved.get("engine") or {}
     if "global_batch" in engine:
         # The batch is compared as the global batch the JSON makes at each world size (_batch_changes).
@@ -378,11 +386,7 @@ def check_resume(
     _compare_content(math, allowed, saved=saved, identity=identity, bert_config=bert_config)
     if math:
         listing = "; ".join(f"{key}: saved {before!r}, now {after!r}" for key, (before, after) in sorted(math.items()))
-        hints = []
-        if "schedule.max_steps" in math:
-            hints.append("a longer --max_steps needs --extend_schedule")
-        if any(key.startswith("schedule.") for key in math):
-            hints.append("--allow_schedule_change allows another --lr, --warmup_steps or --max_steps")
+        hints = schedule_hints(math, cfg, step=step)
         if _GLOBAL_BATCH in math:
             hints.append(_batch_hint(math[_GLOBAL_BATCH][0], ds=ds, world_size=world_size))
         hint = f" ({'; '.join(hints)})" if hints else ""

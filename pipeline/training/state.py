@@ -1,7 +1,7 @@
 """What a run is at, and what a resumed run restores beyond DeepSpeed's own weights, optimizer and
-scheduler: the step, the loader's position, the skipped micro-batches, every rank's RNG states and
-the TaCL teacher's fingerprint. They travel in the checkpoint's client state; `save` and `resume` are
-the two ends.
+scheduler: the step, the loader's position, the skipped micro-batches, the time the steps took
+(--max_time), every rank's RNG states and the TaCL teacher's fingerprint. They travel in the
+checkpoint's client state; `save` and `resume` are the two ends.
 """
 
 from __future__ import annotations
@@ -22,11 +22,15 @@ from preprocessing.errors import UsageError
 @dataclass
 class TrainState:
     """The optimizer steps taken, and the non-finite micro-batches neutralised over all ranks as of the
-    last control step (and when this process started). The loader keeps its own position."""
+    last control step (and when this process started). The loader keeps its own position. The time
+    the steps took and the latest mean step time: what a --max_time budget has spent
+    (pipeline.training.budget)."""
 
     step: int = 0
     skipped: int = 0
     skipped_at_start: int = 0
+    train_time_s: float = 0.0
+    step_time_s: Optional[float] = None
 
 
 def rng_states() -> dict[str, Any]:
@@ -82,6 +86,8 @@ def save(
         "world_size": distributed.world_size(),
         "teacher_fingerprint": teacher_print,
         "config": resolved,
+        "train_time_s": state.train_time_s,
+        "step_time_s": state.step_time_s,
     }
     return checkpoint.save(
         engine,
@@ -102,6 +108,7 @@ def resume(
     client = checkpoint.load(engine, path)
     state.step, state.skipped = int(client["step"]), int(client.get("skipped_micro_batches", 0))
     loader.load_state_dict(client["loader"])
+    state.train_time_s, state.step_time_s = float(client.get("train_time_s", 0.0)), client.get("step_time_s")
     if client.get("world_size") == distributed.world_size():
         set_rng_states(client["rng"][distributed.rank()])
     if teacher_print is not None and client.get("teacher_fingerprint") not in (None, teacher_print):

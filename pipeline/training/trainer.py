@@ -36,6 +36,7 @@ from pipeline.hardware import slow_bf16_reason
 from pipeline.modeling.encoder import Encoder
 from pipeline.modeling.teacher import build_teacher, check_teacher, fingerprint
 from pipeline.training import checkpoint, log, state
+from pipeline.training.budget import TimeBudget
 from pipeline.training.config import RECORD_KEYS
 from pipeline.training.ds_config import client_scheduler
 from pipeline.training.evaluation import Evaluator
@@ -441,7 +442,7 @@ def train(prep: Prepared, *, hooks: Sequence[LossHook] = ()) -> int:
 class Due:
     """What the step just taken calls for (pipeline.training.config's intervals)."""
 
-    last: bool  # --max_steps: the run ends here, whatever else asks it to stop
+    last: bool  # --max_steps (or the --max_time budget's step): the run ends here, whatever else asks it to stop
     log: bool
     save: bool
     eval: bool
@@ -449,9 +450,9 @@ class Due:
     control: bool  # the ranks agree on pre-emption and the non-finite limit
 
     @classmethod
-    def at(cls, run: Run) -> Due:
+    def at(cls, run: Run, *, total: int) -> Due:
         cfg, step = run.prep.cfg, run.state.step
-        last = step == cfg.schedule.max_steps
+        last = step >= total
         every = cfg.eval.eval_every
         ev = run.evaluator is not None and (step % every == 0 or last)
         log_, save_ = step % cfg.run.log_every == 0 or last, step % cfg.run.save_every == 0 or last
@@ -461,23 +462,33 @@ class Due:
 
 
 def loop(run: Run, flag: PreemptionFlag, *, writer: MetricsWriter, bar: Any) -> Optional[str]:
-    """Train to max_steps. Returns None when done, else why it stopped early (after saving)."""
+    """Train to max_steps (or the step the --max_time budget fits). Returns None when done, else why it
+    stopped early (after saving)."""
     cfg = run.prep.cfg
     batches, meter = Batches(run.loader), Meter(run.program.objective.metric_keys(nsp=run.program.nsp), run.device)
     run.engine.train()
     st = run.state
-    while st.step < cfg.schedule.max_steps:
+    end = TimeBudget(
+        max_time_s=cfg.schedule.max_time,
+        max_steps=cfg.schedule.max_steps,
+        state=st,
+        scheduler=run.engine.lr_scheduler,
+        every=cfg.run.control_every,
+    )
+    while st.step < end.total:
+        end.start_step()
         res = train_step(run.program, st, batches, meter)
+        end.end_step()  # the budget's time; every rank re-fits the total at the same steps
         run.last_batch = res.last_batch
         if bar is not None:
             bar.update(1)
         if cfg.run.trace_samples:
             writer.trace(st.step, distributed.all_gather_object(res.sample_ids))
-        due = Due.at(run)
+        due = Due.at(run, total=end.total)
         signal_name = control(run, flag) if due.control else None
-        signalled = signal_name is not None and not due.last  # at max_steps the run simply ends
+        signalled = signal_name is not None and not due.last  # at the end the run simply ends
         stopping = signalled or due.chunk_end
-        fields = evaluate(run, meter) if due.eval else {}
+        fields = evaluate(run, meter, last=due.last) if due.eval else {}
         if due.log or stopping or fields:
             record = {**log_record(run, meter, lr=res.lr), **fields}
             writer.log(record)
@@ -496,15 +507,15 @@ def loop(run: Run, flag: PreemptionFlag, *, writer: MetricsWriter, bar: Any) -> 
         if due.chunk_end:
             log.info(f"stopped after step {st.step} (--stop_after_step): saved checkpoint, exiting 0")
             return "--stop_after_step"
-    return None  # at max_steps, saved (or resumed there: nothing left to train)
+    return None  # at the end, saved (or resumed there: nothing left to train)
 
 
-def evaluate(run: Run, meter: Meter) -> dict[str, Any]:
+def evaluate(run: Run, meter: Meter, *, last: bool) -> dict[str, Any]:
     """The held-out evaluation's fields of this step's metrics line (a collective); its time is not
     counted as training time. Every --eval_health_every-th evaluation, and the last, adds the health
     figures."""
     k = run.prep.cfg.eval.eval_health_every
-    health = bool(k) and ((run.evaluator.done + 1) % k == 0 or run.state.step == run.prep.cfg.schedule.max_steps)
+    health = bool(k) and ((run.evaluator.done + 1) % k == 0 or last)
     fields = run.evaluator(health=health)
     meter.exclude(fields["eval/time_s"])
     return fields

@@ -3,6 +3,9 @@
 
     --fault_nan_steps 3,4,5 --fault_nan_rank R [--fault_nan_attempts N]
         rank R's loss is NaN at those steps, on the first N micro-batches of each (default 1).
+    --fault_step_time_s S
+        the --max_time budget's clock (pipeline.training.budget.clock) advances S seconds at every
+        reading: every optimizer step then takes S seconds by the budget's account.
 
 Launched in place of pipeline/train.py (tests.support.trainer.deepspeed_cmd does so when a --fault_
 flag is present); the product itself carries no fault injection.
@@ -42,6 +45,16 @@ def nan_hook(*, steps: set[int], rank: int, attempts: int):
     return hook
 
 
+def ticking_clock(tick: float):
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += tick
+        return now[0]
+
+    return clock
+
+
 def main() -> int:
     sys.path.insert(0, str(REPO))
     faults, rest = take_flags(sys.argv[1:])
@@ -49,6 +62,10 @@ def main() -> int:
     if "nan_steps" in faults:
         steps = {int(s) for s in faults["nan_steps"].split(",")}
         hooks.append(nan_hook(steps=steps, rank=int(faults["nan_rank"]), attempts=int(faults.get("nan_attempts", 1))))
+    if "step_time_s" in faults:
+        from pipeline.training import budget
+
+        budget.clock = ticking_clock(float(faults["step_time_s"]))
     from pipeline.train import main as train_main
 
     return train_main(rest, hooks=hooks)

@@ -1,5 +1,6 @@
 """The learning-rate schedule: --warmup_steps 0 trains its first step at the full rate (DeepSpeed's own
-warm-up schedulers last at least 2 steps from warmup_min_lr, 0 by default, so it is replaced)."""
+warm-up schedulers last at least 2 steps from warmup_min_lr, 0 by default, so it is replaced), and
+the replacement reads the states of the schedulers that ran before it."""
 
 from __future__ import annotations
 
@@ -48,6 +49,19 @@ def test_a_warmup_is_deepspeeds_own():
     assert client_scheduler(ds, schedule=schedule) == (ds, None)
 
 
+def test_a_lambda_lr_state_of_an_older_no_warmup_run_continues_at_its_step():
+    ds, schedule = _resolved("WarmupDecayLR", 0)
+    _, build = client_scheduler(ds, schedule=schedule)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    old = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: (100 - step) / 100)  # what such runs saved
+    for _ in range(30):
+        opt.step()
+        old.step()
+    sched = build(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3))
+    sched.load_state_dict(old.state_dict())
+    assert sched.taken == 30 and sched.optimizer.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"])
+
+
 def test_a_deepspeed_schedule_state_continues_at_its_step():
     """A checkpoint of a run that started with DeepSpeed's own scheduler (before --warmup_steps 0
     meant no warm-up) continues at its step instead of restarting the decay."""
@@ -61,4 +75,4 @@ def test_a_deepspeed_schedule_state_continues_at_its_step():
     assert opt.param_groups[0]["lr"] == pytest.approx(0.49e-3)
     again = build(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3))
     again.load_state_dict(sched.state_dict())  # our own state round-trips
-    assert again.last_epoch == sched.last_epoch == 51
+    assert again.taken == sched.taken == 51

@@ -31,7 +31,13 @@ DS = {
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-6, "weight_decay": 0.01}},
     "scheduler": {
         "type": "WarmupDecayLR",
-        "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 2, "total_num_steps": 10},
+        "params": {
+            "warmup_min_lr": 0.0,
+            "warmup_max_lr": 1e-3,
+            "warmup_num_steps": 2,
+            "total_num_steps": 10,
+            "warmup_type": "linear",  # DeepSpeed's default is log
+        },
     },
 }
 
