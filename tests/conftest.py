@@ -32,6 +32,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Each test leaves os.environ and the temp folder as it found them. An in-process run of the
+    trainer describes a world of one (RANK, LOCAL_WORLD_SIZE=1, ...) and the loader may point TMPDIR
+    at a node's folder; a later test's launch would otherwise inherit them (two ranks of one
+    deepspeed launch taken for two nodes). Session fixtures set up before this snapshot."""
+    import tempfile
+
+    env, tmp = dict(os.environ), tempfile.tempdir
+    yield
+    os.environ.clear()
+    os.environ.update(env)
+    tempfile.tempdir = tmp
+
+
 @pytest.fixture
 def port() -> int:
     return free_port()

@@ -130,11 +130,13 @@ def normalize_launch_env() -> None:
     """Make every launcher look like torchrun to the libraries that read the environment.
 
     The deepspeed launcher sets LOCAL_SIZE but not LOCAL_WORLD_SIZE, which mosaicml-streaming reads
-    to count ranks per node: without it, streaming takes every rank for a node of its own.
+    to count ranks per node: without it, streaming takes every rank for a node of its own. The
+    launcher writes LOCAL_SIZE for this very launch, so it wins over a LOCAL_WORLD_SIZE inherited
+    from the shell that started it (a stale 1 would make each rank a node of its own).
     """
     env_from_slurm()
     env = os.environ
-    if "LOCAL_WORLD_SIZE" not in env and "LOCAL_SIZE" in env:
+    if "LOCAL_SIZE" in env:
         env["LOCAL_WORLD_SIZE"] = env["LOCAL_SIZE"]
 
 

@@ -32,6 +32,8 @@ pytestmark = pytest.mark.multiproc
 
 COMMON = {
     "step",
+    "phase",
+    "global_step",
     "loss",
     "mlm_loss",
     "mlm_acc",

@@ -156,8 +156,13 @@ def shard_sets(tmp_path_factory) -> dict[str, Path]:
 # ---------------------------------------------------------------------------------------------------
 
 
+# The variables a launcher hands its ranks: a launch from the test process must not inherit them from
+# an in-process test that described a world of one (single_process_env) or from an outer job.
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_PORT")
+
+
 def launch_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
     env.update(
         DS_ACCELERATOR="cpu",
         OMP_NUM_THREADS="1",

@@ -6,8 +6,6 @@ that rewrites them needs --allow_schedule_change, and the error says how to begi
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -49,16 +47,11 @@ def test_the_knobs_parse_check_and_replay(tmp_path):
         C.parse_args(["--config", str(tmp_path / "bad.json")] + BASE + ["--max_steps", "90"])
 
 
-def test_print_config_shows_them():
-    r = subprocess.run(
-        [sys.executable, str(REPO / "pipeline" / "train.py"), *WSD, "--max_steps", "100", "--max_time", "2h"]
-        + ["--print_config"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["schedule"] == {
+def test_print_config_shows_them(capsys):
+    from pipeline.train import main
+
+    assert main([*WSD, "--max_steps", "100", "--max_time", "2h", "--print_config"]) == 0
+    assert json.loads(capsys.readouterr().out)["schedule"] == {
         "max_steps": 100,
         "lr": 1e-3,
         "warmup_steps": 10,

@@ -112,7 +112,14 @@ def test_taco_dry_run_prints_the_64_rank_command():
     assert "WORLD_SIZE=64 LOCAL_WORLD_SIZE=8" in out and "MASTER_ADDR=node001" in out
     assert "global batch 16384 = micro 128 x accumulation 2 x 64 ranks" in out
     resolved = json.loads(out[out.index("{", out.index("resolved configuration")) : out.rindex("}") + 1])
-    assert resolved["schedule"] == {"max_steps": 62500, "lr": 0.001, "warmup_steps": 3750}
+    assert resolved["schedule"] == {
+        "max_steps": 62500,
+        "lr": 0.001,
+        "warmup_steps": 3750,
+        "schedule": "linear",
+        "decay_steps": None,
+        "max_time": None,
+    }
     assert resolved["run"]["save_every"] == 1000 and resolved["run"]["seed"] == 0  # the trainer's defaults
     assert "node node008: RANK 56..63, LOCAL_RANK 0..7 -> GPU 0..7" in out
 
