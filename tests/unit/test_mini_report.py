@@ -183,3 +183,28 @@ def test_heldout_cross_entropy_and_unigram_match_a_direct_computation(tmp_path):
     assert got["cross_entropy"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, gold)), rel=1e-5)
     assert got["accuracy"] == pytest.approx(float((logits.argmax(-1) == gold).float().mean()))
     assert got["unigram_cross_entropy"] == pytest.approx(float(-logp_V[gold].mean()), rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(eval_samples=-1), "--eval_samples must be >= 1 (got -1)"),
+        (dict(ft_epochs=float("inf")), "--ft_epochs must be > 0 and finite (got inf)"),
+        (dict(ft_lr=float("nan")), "--ft_lr must be > 0 and finite (got nan)"),
+        (dict(en_mb=float("inf")), "--en_mb must be > 0 and finite (got inf)"),
+        (dict(vocab_size=5), "--vocab_size 5: must be between 100 and 1048576"),
+        (dict(heldout_docs=0), "--heldout_docs must be >= 1 (got 0)"),
+        (dict(ft_seeds="1,2,1"), "--ft_seeds 1,2,1: seed(s) [1] repeated"),
+    ],
+)
+def test_values_that_cannot_be_meant_are_refused_up_front(tmp_path, kwargs, message):
+    """These were accepted: --eval_samples -1 and --ft_epochs inf failed (or trained on) only in the
+    fine-tuning stage after an hour of pre-training, --vocab_size 5 in the tokenizer stage, and a
+    repeated seed reported a smaller spread."""
+    for lang in ("en", "zh"):
+        (tmp_path / lang).mkdir()
+        (tmp_path / lang / "a.txt").write_text("x\n\n")
+    cfg = MiniConfig(out=tmp_path / "o", corpora=tmp_path, tasks=[("sst2", tmp_path)], **kwargs)
+    with pytest.raises(UsageError) as e:
+        cfg.validate()
+    assert str(e.value).startswith(message)

@@ -18,6 +18,7 @@ from preprocessing.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[3]
 SHARED = REPO.parent / "shared"
+MIN_VOCAB, MAX_VOCAB = 100, 1 << 20  # the shard builder's range for a vocabulary it trains
 
 
 def _fractions(text: str) -> tuple:
@@ -125,26 +126,28 @@ class MiniConfig:
     )
 
     def validate(self) -> None:
+        """UsageError naming the flag of any value that cannot be meant, before any stage runs."""
+        for flag in ("en_mb", "zh_mb", "lr", "ft_epochs", "ft_lr"):
+            if not 0 < getattr(self, flag) < math.inf:
+                raise UsageError(f"--{flag} must be > 0 and finite (got {getattr(self, flag)})")
         for flag in (
-            "en_mb",
-            "zh_mb",
-            "vocab_size",
+            "heldout_docs",
             "layers",
             "hidden",
             "max_seq_len",
             "micro_batch",
-            "lr",
             "start_steps",
             "continue_steps",
             "train_samples",
-            "ft_epochs",
-            "ft_lr",
+            "eval_samples",
             "ft_batch",
             "ft_seq_len",
             "analysis_sequences",
         ):
-            if not getattr(self, flag) > 0:
-                raise UsageError(f"--{flag} must be > 0 (got {getattr(self, flag)})")
+            if getattr(self, flag) is not None and getattr(self, flag) < 1:
+                raise UsageError(f"--{flag} must be >= 1 (got {getattr(self, flag)})")
+        if not MIN_VOCAB <= self.vocab_size <= MAX_VOCAB:
+            raise UsageError(f"--vocab_size {self.vocab_size}: must be between {MIN_VOCAB} and {MAX_VOCAB}")
         if self.hidden % 64 and self.hidden >= 64:
             raise UsageError(f"--hidden {self.hidden}: must be a multiple of 64 (heads of 64)")
         if not 0 <= self.warmup_share < 1:
@@ -157,6 +160,12 @@ class MiniConfig:
             )
         if len(self.seeds) < 2:
             raise UsageError(f"--ft_seeds {self.ft_seeds!r}: give at least 2 seeds, so that a spread exists")
+        repeated = sorted({s for s in self.seeds if self.seeds.count(s) > 1})
+        if repeated:
+            raise UsageError(
+                f"--ft_seeds {self.ft_seeds}: seed(s) {repeated} repeated; a repeated seed is the same run again and "
+                f"would shrink the reported spread; give distinct seeds"
+            )
         for lang in ("en", "zh"):
             if not sorted((self.corpora / lang).glob("*.txt")):
                 raise UsageError(
