@@ -1,7 +1,8 @@
-"""The miniature reproduction (pipeline/reproduce_mini.py --quick): the whole pipeline as a user runs it,
-real text from ../shared/corpora, real tasks from ../shared/downstream, tiny sizes. The report's
-structure, and that every number in it is computed by the run (traced back to the stage that produced
-it, and the verdicts recomputed from the numbers by their stated rules); not what the verdicts say.
+"""The miniature reproduction (python -m pipeline.experiments.mini --quick): the whole pipeline as a user
+runs it, real text from ../shared/corpora, real tasks from ../shared/downstream, tiny sizes. The report's
+structure, that every number in it is computed by the run (traced back to the stage that produced it,
+and the verdicts recomputed from the numbers by their stated rules), and that every run is its arm's
+config file through train.py; not what the verdicts say.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ from tests.support.png import assert_png
 
 pytestmark = [pytest.mark.corpora, pytest.mark.multiproc]
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 VERDICTS = {"reproduces", "does not reproduce", "inconclusive at this scale"}
 
 
 def reproduce(out: Path, *extra: str) -> str:
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     proc = subprocess.run(
-        [sys.executable, str(REPO / "pipeline" / "reproduce_mini.py"), "--out", str(out), "--quick", *extra],
+        [sys.executable, "-m", "pipeline.experiments.mini", "--out", str(out), "--quick", *extra],
         capture_output=True,
         text=True,
         env=env,
@@ -39,9 +40,16 @@ def reproduce(out: Path, *extra: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def mini(corpora, downstream, tmp_path_factory) -> dict:
+def data(corpora, downstream) -> list[str]:
+    """The shared corpora and the four tasks of the committed runs, as the command takes them."""
+    tasks = {"sst2": "glue/SST-2", "mrpc": "glue/MRPC", "ner": "zh_ner", "chnsenti": "zh_senti"}
+    return ["--corpora", str(corpora), "--tasks", ",".join(f"{k}={downstream / v}" for k, v in tasks.items())]
+
+
+@pytest.fixture(scope="module")
+def mini(data, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("mini")
-    stdout = reproduce(out, "--corpora", str(corpora))
+    stdout = reproduce(out, *data)
     return {"out": out, "stdout": stdout, "report": json.loads((out / "report.json").read_text())}
 
 
@@ -75,7 +83,7 @@ def test_every_model_task_and_seed_is_a_computed_score(mini):
     models = [f"{a}@{s}" for a in ("mlm", "taco") for s in steps] + ["cont_mlm", "cont_tacl"]
     assert [m for m in rep["downstream"] if m != "reference"] == models
     assert rep["tasks"] == ["sst2", "mrpc", "ner (zh_ner)", "chnsenti"]
-    seeds = [int(s) for s in rep["config"]["ft_seeds"].split(",")]
+    seeds = [int(s) for s in rep["settings"]["finetune"]["ft_seeds"].split(",")]
     for model in models:
         # The numbers in the table are the fine-tuning stage's own, seed by seed.
         stage = json.loads((out / "downstream" / model / "stage.json").read_text())["result"]["tasks"]
@@ -100,7 +108,9 @@ def test_every_model_task_and_seed_is_a_computed_score(mini):
         s = rep["last_layer"][model]
         assert all(finite(s[k]) for k in ("intra_sentence", "intra_context", "inter_context", "gap"))
     for run in ("mlm", "taco", "cont_mlm", "cont_tacl"):
-        assert rep["runs"][run]["steps"] == (steps[-1] if run in ("mlm", "taco") else rep["config"]["continue_steps"])
+        assert rep["runs"][run]["steps"] == (
+            steps[-1] if run in ("mlm", "taco") else rep["settings"]["pretrain"]["continue_steps"]
+        )
         assert finite(rep["runs"][run]["last"]["mlm_loss"])
     assert rep["runs"]["taco"]["last"].get("tc_loss") is not None
     assert rep["runs"]["cont_tacl"]["last"].get("tacl_loss") is not None
@@ -145,9 +155,25 @@ def test_verdicts_follow_their_rules_from_the_numbers(mini):
     assert f"**TaCL**: {tacl['verdict']}" in readme and f"**TACO**: {taco['verdict']}" in readme
 
 
-def test_a_rerun_keeps_the_finished_stages_and_a_changed_knob_reruns_what_depends_on_it(mini, corpora):
+def test_every_run_is_its_arm_file_through_train_py(mini):
+    """train.py's own record of each run (RUN/config.json): the arm's config file, the shipped DeepSpeed
+    config, and the per-run values the experiment adds."""
+    rep, out = mini["report"], mini["out"]
+    for arm, fmt in (("mlm", "packed"), ("taco", "packed"), ("cont_mlm", "nsp"), ("cont_tacl", "nsp")):
+        ran = json.loads((out / "runs" / arm / "run" / "config.json").read_text())
+        assert ran["objective"] == {**ran["objective"], **rep["arms"][arm]["objective"]}, arm
+        assert ran["schedule"]["lr"] == rep["arms"][arm]["schedule"]["lr"] and ran["data"]["data_weights"] == [1, 1]
+        assert [Path(d).parent.name for d in ran["data"]["data"]] == [f"{fmt}_en", f"{fmt}_zh"]
+        assert ran["run"]["ds_config"].endswith("deepspeed_fp32.json")  # --quick pre-trains in fp32
+        steps = rep["runs"][arm]["steps"]
+        assert ran["schedule"]["max_steps"] == steps
+        assert ran["schedule"]["warmup_steps"] == round(rep["settings"]["pretrain"]["warmup_share"] * steps)
+    assert json.loads((out / "runs" / "mlm" / "run" / "config.json").read_text())["model"]["model_config"] == "tiny"
+
+
+def test_a_rerun_keeps_the_finished_stages_and_a_changed_knob_reruns_what_depends_on_it(mini, data):
     out = mini["out"]
-    stdout = reproduce(out, "--corpora", str(corpora), "--ft_seeds", "1,2")
+    stdout = reproduce(out, *data, "--ft_seeds", "1,2")
     kept = {
         line.split()[1].rstrip(":")
         for line in stdout.splitlines()
@@ -163,11 +189,11 @@ def test_a_rerun_keeps_the_finished_stages_and_a_changed_knob_reruns_what_depend
     assert rep["runs"] == mini["report"]["runs"] and rep["heldout_mlm"] == mini["report"]["heldout_mlm"]
 
 
-def test_start_only_scores_the_start_at_every_checkpoint_reusing_the_stages(mini, corpora):
+def test_start_only_scores_the_start_at_every_checkpoint_reusing_the_stages(mini, data):
     # --start_only on the same folder and settings: nothing is pre-trained again, and its held-out numbers
     # are the full report's for the same checkpoints (the same blocks and positions).
     out, full = mini["out"], mini["report"]
-    stdout = reproduce(out, "--corpora", str(corpora), "--start_only")
+    stdout = reproduce(out, *data, "--start_only")
     kept = {line.split()[1].rstrip(":") for line in stdout.splitlines() if line.endswith("same settings)")}
     assert {"data", "tokenizer", "shards/packed_en", "shards/packed_zh", "runs/mlm"} <= kept, stdout
     assert "runs/taco" not in stdout and "downstream/" not in stdout, stdout
@@ -177,7 +203,8 @@ def test_start_only_scores_the_start_at_every_checkpoint_reusing_the_stages(mini
     for row in rep["checkpoints"]:
         accs = row["heldout_mlm"]
         assert accs == full["heldout_mlm"][f"mlm@{row['step']}"]
-        assert row["tokens"] == row["step"] * rep["config"]["micro_batch"] * rep["config"]["max_seq_len"]
+        micro, seq_len = rep["deepspeed"]["train_micro_batch_size_per_gpu"], rep["settings"]["text"]["max_seq_len"]
+        assert row["tokens"] == row["step"] * micro * seq_len
         assert row["left_floor"] == {
             lang: a["accuracy"] - a["floor"] > 3 * (a["floor"] * (1 - a["floor"]) / a["masked"]) ** 0.5
             for lang, a in accs.items()
@@ -188,19 +215,3 @@ def test_start_only_scores_the_start_at_every_checkpoint_reusing_the_stages(mini
     assert all(f"| {s} |" in md for s in steps) and "start_loss.png" in md
     assert_png(out / "start_loss.png")
     assert "[mini] start model:" in stdout
-
-
-def test_bad_flags_are_one_line_errors(tmp_path, corpora):
-    for args, needle in (
-        (["--tasks", "nope=/x"], "unknown task 'nope'"),
-        (["--tasks", f"sst2={tmp_path / 'missing'}"], "no such folder"),
-        (["--curve", "0.5,0.25"], "--curve"),
-        (["--ft_seeds", "1"], "at least 2 seeds"),
-    ):
-        proc = subprocess.run(
-            [sys.executable, str(REPO / "pipeline" / "reproduce_mini.py"), "--out", str(tmp_path / "o"), "--quick",
-             "--corpora", str(corpora), *args],
-            capture_output=True, text=True, cwd=REPO, timeout=120,
-        )  # fmt: skip
-        assert proc.returncode == 2, (args, proc.stderr[-2000:])
-        assert needle in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr[-2000:])

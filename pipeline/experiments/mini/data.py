@@ -1,4 +1,4 @@
-"""The miniature's text, tokenizer and shards.
+"""The miniature's text and vocabulary (its shards: commands.build_shards).
 
 From each language's BERT-format files (--corpora en/*.txt, zh/*.txt): the last documents of every file
 are held out (evaluation only), and the first documents, taken from the files in turn, fill the
@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from pipeline.evaluation.mini.config import MiniConfig
-from pipeline.evaluation.mini.stages import Stage, run_logged
+from pipeline.experiments.mini.settings import MiniConfig
+from pipeline.experiments.mini.stages import Stage
 from preprocessing.errors import UsageError
 
 LANGS = ("en", "zh")
@@ -85,9 +85,9 @@ def prepare_text(cfg: MiniConfig, stage: Stage) -> dict:
     data = stage.dir
     counts, analysis = {}, []
     for lang in LANGS:
-        files = sorted((cfg.corpora / lang).glob("*.txt"))
-        budget = int((cfg.en_mb if lang == "en" else cfg.zh_mb) * MB)
-        train, heldout, counts[lang] = split_language(files, budget_bytes=budget, heldout_docs=cfg.heldout_docs)
+        files = sorted((cfg.text.corpora / lang).glob("*.txt"))
+        budget = int((cfg.text.en_mb if lang == "en" else cfg.text.zh_mb) * MB)
+        train, heldout, counts[lang] = split_language(files, budget_bytes=budget, heldout_docs=cfg.text.heldout_docs)
         write_bert_format(train, data / f"train_{lang}.txt")
         write_bert_format(heldout, data / f"heldout_{lang}.txt")
         for doc in heldout:
@@ -109,36 +109,8 @@ def train_tokenizer(cfg: MiniConfig, stage: Stage, text: Path) -> dict:
                     if line:
                         yield line
 
+    size = cfg.text.vocab_size
     info = prepare_tokenizer(
-        tokenizer=None, train="wordpiece", vocab_size=cfg.vocab_size, lowercase=True, out_dir=stage.dir, texts=texts
+        tokenizer=None, train="wordpiece", vocab_size=size, lowercase=True, out_dir=stage.dir, texts=texts
     )
     return {"vocab_size": info.vocab_size, "sha256": info.sha256}
-
-
-def build_shards(cfg: MiniConfig, stage: Stage, *, text: Path, tokenizer: Path, fmt: str, lang: str, env: dict) -> dict:
-    """One builder run (preprocessing/build_shards.py, Ray on this machine): OUT/shards/{fmt}_{lang}/mds,
-    then checked (and its counts read) as the trainer will read it (pipeline.data.shards.inspect_data)."""
-    import sys
-
-    from pipeline.data.shards import inspect_data
-    from pipeline.evaluation.mini.config import REPO
-
-    cmd = [
-        sys.executable, str(REPO / "preprocessing" / "build_shards.py"),
-        "--input", f"{lang}:{text / f'train_{lang}.txt'}",
-        "--output", str(stage.dir / "mds"),
-        "--tokenizer", str(tokenizer),
-        "--format", fmt,
-        "--max_seq_len", str(cfg.max_seq_len),
-        "--num_workers", "2",
-        "--seed", str(cfg.seed),
-        "--overwrite",
-        "--no_progress",
-    ]  # fmt: skip
-    run_logged(cmd, log=stage.log, env=env)
-    # Local shards are verified in place: nothing is written under the cache root.
-    manifest = inspect_data([str(stage.dir / "mds")], cache_root=str(stage.dir / "cache")).sources[0].manifest
-    c = manifest.counts
-    return {
-        k: getattr(c, k) for k in ("documents_written", "documents_skipped", "samples", "tokens_in_samples", "shards")
-    }

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.evaluation.mini.config import REPO
-
 MARKER = "stage.json"
 
 
@@ -57,10 +55,11 @@ def run_stage(folder: Path, settings: dict, work: Callable[[Stage], dict], *, na
 
 
 def run_logged(cmd: list[str], *, log: Path, env: dict) -> None:
-    """A subprocess with its output in `log`; a failure raises with the log's tail (a bug or a broken
+    """A subprocess (in this process's working folder, so that relative paths mean what they meant on
+    the command line) with its output in `log`; a failure raises with the log's tail (a bug or a broken
     input, not something to continue past)."""
     with log.open("w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
     if rc != 0:
         tail = log.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"{' '.join(cmd[:3])} ... failed (exit {rc}); log {log}:\n{tail}")

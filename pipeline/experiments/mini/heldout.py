@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
+from pipeline.experiments.mini.data import LANGS, read_documents
+
 MASK_SHARE = 0.15
 
 
 def _token_ids(tokenizer, path: Path) -> list[int]:
-    from pipeline.evaluation.mini.data import read_documents
-
     ids: list[int] = []
     for doc in read_documents(path):
         ids += tokenizer(" ".join(doc), add_special_tokens=False)["input_ids"]
@@ -111,3 +111,18 @@ def mlm_accuracy(model_dir: Path, held: HeldOut) -> dict:
         "cross_entropy": nll / masked,
         "unigram_cross_entropy": held.unigram_cross_entropy,
     }
+
+
+def heldout_scores(models: dict[str, Path], *, data: Path, max_seq_len: int, seed: int) -> dict:
+    """{label: {lang: mlm_accuracy(...)}}: every model's held-out MLM accuracy and cross-entropy, on the
+    same blocks and positions per language (data/heldout_LANG.txt; the unigram of data/train_LANG.txt)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(next(iter(models.values())))  # one joint vocabulary for all
+    held = {
+        lang: prepare(
+            tokenizer, data / f"heldout_{lang}.txt", data / f"train_{lang}.txt", max_seq_len=max_seq_len, seed=seed
+        )
+        for lang in LANGS
+    }
+    return {label: {lang: mlm_accuracy(path, held[lang]) for lang in LANGS} for label, path in models.items()}
