@@ -1,6 +1,8 @@
 """The product's own commands, run as a user runs them, each into its stage's folder with its output in
-the stage's log: the shard builder, pipeline/train.py under torchrun (one DeepSpeed rank), export.py,
-analyze.py and finetune.py. What the experiment adds to each is the few values that vary per run."""
+the stage's log: the shard builder, pipeline/train.py under torchrun (one DeepSpeed rank), analyze.py and
+finetune.py (one command for all the models to fine-tune). What the experiment adds to each is the few
+values that vary per run. The curve's checkpoints are exported with export.py's function, in this process
+(a command each would pay its imports again for a few seconds of work)."""
 
 from __future__ import annotations
 
@@ -98,18 +100,19 @@ def summarise_run(run: Path) -> dict:
     }
 
 
-def export_checkpoints(stage: Stage, steps: list[int], *, env: dict) -> dict[int, Path]:
-    """HF folders of stage.dir/run's checkpoints at `steps` (export.py into stage.dir/checkpoints_hf/step_N);
-    the last step is the run's own export (train.py --export_dir exports that same checkpoint)."""
+def export_checkpoints(stage: Stage, steps: list[int]) -> dict[int, Path]:
+    """HF folders of stage.dir/run's checkpoints at `steps` (as export.py writes them, into
+    stage.dir/checkpoints_hf/step_N); the last step is the run's own export (train.py --export_dir
+    exports that same checkpoint)."""
+    from pipeline.training.hf_export import export
+
     run, paths = stage.dir / "run", {}
     for step in steps[:-1]:
         ckpt = run / "checkpoints" / f"step_{step:08d}"
         if not ckpt.is_dir():
             kept = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
             raise RuntimeError(f"{run}: no checkpoint at step {step} (kept: {kept})")
-        paths[step] = stage.dir / "checkpoints_hf" / f"step_{step}"
-        cmd = [sys.executable, _script("pipeline", "export.py"), "--checkpoint", str(ckpt), "--out", str(paths[step])]
-        run_logged(cmd, log=stage.dir / f"export_{step}.log", env=env)
+        paths[step] = export(ckpt, stage.dir / "checkpoints_hf" / f"step_{step}")
     return {**paths, steps[-1]: stage.dir / "export"}
 
 
@@ -141,15 +144,16 @@ def task_flag(task: TaskSpec) -> str:
     return f"{task.name}=classify:{task.folder}" if task.kind == CLASSIFY else f"{task.name}:{task.folder}"
 
 
-def finetune(cfg: MiniConfig, stage: Stage, model: Path, tasks: list[TaskSpec], *, label: str, env: dict) -> dict:
-    """finetune.py's evaluation of one model with the experiment's recipe, into stage.dir:
-    {"tasks": {task: {splits: {split: {metric: {mean, std, per_seed}}}, data, ...}}, "config": ...}."""
+def finetune(cfg: MiniConfig, out: Path, models: dict[str, Path], tasks: list[TaskSpec], *, env: dict) -> dict:
+    """One finetune.py command for `models` (label -> HF folder) on `tasks` with the experiment's recipe,
+    its output in `out`: {label: {"tasks": {task: {splits: {split: {metric: {mean, std, per_seed}}}, data,
+    ...}}, "config": ...}}."""
     f = cfg.finetune
     cmd = [
         sys.executable, _script("pipeline", "finetune.py"),
-        "--model", f"{label}={model}",
+        *[x for label, path in models.items() for x in ("--model", f"{label}={path}")],
         *[x for t in tasks for x in ("--task", task_flag(t))],
-        "--out", str(stage.dir),
+        "--out", str(out),
         "--epochs", str(f.ft_epochs),
         "--lr", str(f.ft_lr),
         "--batch_size", str(f.ft_batch),
@@ -160,6 +164,6 @@ def finetune(cfg: MiniConfig, stage: Stage, model: Path, tasks: list[TaskSpec], 
         "--device", "cpu",
         *(["--bf16"] if f.ft_bf16 else []),
     ]  # fmt: skip
-    run_logged(cmd, log=stage.log, env=env)
-    payload = json.loads((stage.dir / "results.json").read_text())
-    return {"tasks": payload["results"][label], "config": payload["config"]}
+    run_logged(cmd, log=out / "log.txt", env=env)
+    payload = json.loads((out / "results.json").read_text())
+    return {label: {"tasks": payload["results"][label], "config": payload["config"]} for label in models}

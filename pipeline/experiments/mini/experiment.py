@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from pipeline.evaluation.downstream.tasks import TAGGING_TASKS, TaskSpec
 from pipeline.experiments.mini import commands as C
 from pipeline.experiments.mini import data as D
 from pipeline.experiments.mini.settings import ARMS, MiniConfig
-from pipeline.experiments.mini.stages import Stage, run_stage
+from pipeline.experiments.mini.stages import Stage, run_stage, run_stages
 
 
 def child_env() -> dict:
@@ -55,6 +56,13 @@ class Experiment:
         result = run_stage(self.cfg.out / name, settings, work, name=name, say=self.say)
         self.timings[name] = result["wall_s"]  # the stage's own time, also when it was kept from an earlier run
         return result
+
+    def stages(self, names: list[str], settings: dict[str, dict], work: Callable[[dict[str, Stage]], dict]) -> dict:
+        """Stages that one command does together (stages.run_stages), keyed by name."""
+        folders = {name: self.cfg.out / name for name in names}
+        results = run_stages(folders, settings, work, say=self.say)
+        self.timings.update({name: r["wall_s"] for name, r in results.items()})
+        return results
 
     def settings(self, *sections: str, **extra) -> dict:
         """What a stage depends on: the knobs of `sections` (settings.SECTIONS), the arms' train.py
@@ -127,7 +135,7 @@ def pretrain_from_scratch(x: Experiment) -> dict[str, dict]:
             cfg, st, arm=arm, data=x.shards("packed"), steps=cfg.pretrain.start_steps,
             save_every=cfg.save_every(), env=x.env,
         )  # fmt: skip
-        exported = C.export_checkpoints(st, steps, env=x.env)
+        exported = C.export_checkpoints(st, steps)
         return {**summary, "checkpoints": {str(k): str(v) for k, v in exported.items()}}
 
     settings = x.settings("text", "pretrain", steps=cfg.pretrain.start_steps, curve=steps)
@@ -193,24 +201,29 @@ def analyse(x: Experiment, st: Stage, models: dict[str, Path]) -> dict:
 
 
 def finetune_all(x: Experiment, models: dict[str, Path]) -> dict[str, dict]:
-    """6. finetune.py for every model on every task with every seed, and the reference row on SST-2."""
-    cfg = x.cfg
-    tasks = task_views(cfg)
+    """6. finetune.py for every model on every task with every seed (one stage per model; the models not
+    kept from an earlier run are fine-tuned by one command, its output in OUT/downstream/_finetune), and
+    the reference row on SST-2."""
+    cfg, tasks = x.cfg, task_views(x.cfg)
     settings = x.settings("text", "pretrain", "finetune")
-    downstream = {}
-    for label, path in models.items():
-        downstream[label] = x.stage(
-            f"downstream/{label}",
-            {**settings, "model": label},
-            lambda st, path=path, label=label: C.finetune(cfg, st, path, tasks, label=label, env=x.env),
-        )
+    names = {f"downstream/{label}": label for label in models}
+
+    def work(todo: dict[str, Stage]) -> dict:
+        out = cfg.out / "downstream" / "_finetune"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        done = C.finetune(cfg, out, {names[n]: models[names[n]] for n in todo}, tasks, env=x.env)
+        return {n: done[names[n]] for n in todo}
+
+    results = x.stages(list(names), {n: {**settings, "model": label} for n, label in names.items()}, work)
+    downstream = {label: results[n] for n, label in names.items()}
     ref = reference_model(cfg)
     sst2 = [t for t in tasks if t.name == "sst2" and t.kind != "classify"]
     if ref is not None and sst2:
         downstream["reference"] = x.stage(
             "downstream/reference",
             x.settings("finetune", model=str(ref)),
-            lambda st: {**C.finetune(cfg, st, ref, sst2, label="reference", env=x.env), "path": str(ref)},
+            lambda st: {**C.finetune(cfg, st.dir, {"reference": ref}, sst2, env=x.env)["reference"], "path": str(ref)},
         )
     return downstream
 

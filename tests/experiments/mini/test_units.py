@@ -142,7 +142,7 @@ def test_config_curve_tasks_and_quick(tmp_path):
     # value equal to the full run's default.
     base = ["--out", "o", "--corpora", "c"]
     quick = parse_args([*base, "--quick", "--ft_seeds", "1,2"])
-    assert quick.pretrain.model == "tiny" and quick.pretrain.start_steps == 24 and quick.finetune.ft_seeds == "1,2"
+    assert quick.pretrain.model == "tiny" and quick.pretrain.start_steps == 6 and quick.finetune.ft_seeds == "1,2"
     assert quick.config_file == "pipeline/experiments/mini/configs/quick.yaml" and quick.pretrain.curve == (0.5, 1.0)
     assert parse_args([*base, "--quick", "--start_steps", "800"]).pretrain.start_steps == 800
     assert parse_args(base).pretrain.start_steps == 800 and parse_args(base).config_file is None
@@ -383,6 +383,26 @@ def test_tasks_reach_finetune_py_in_its_syntax():
 
     assert task_flag(TaskSpec("sst2", Path("glue/SST-2"))) == "sst2:glue/SST-2"
     assert task_flag(TaskSpec("reviews", Path("data/r"), "classify")) == "reviews=classify:data/r"
+
+
+def test_stages_done_by_one_command_are_kept_or_redone_each_on_its_own(tmp_path):
+    """The fine-tuning stages: one finetune.py command for the models not kept from an earlier run."""
+    from pipeline.experiments.mini.stages import run_stages
+
+    calls, lines = [], []
+
+    def work(todo):
+        calls.append(sorted(todo))
+        return {name: {"model": name} for name in todo}
+
+    folders = {n: tmp_path / n for n in ("m1", "m2", "m3")}
+    first = run_stages(folders, {n: {"seeds": "1,2"} for n in folders}, work, say=lines.append)
+    assert calls == [["m1", "m2", "m3"]] and list(first) == ["m1", "m2", "m3"] and first["m2"]["model"] == "m2"
+    again = run_stages(folders, {"m1": {"seeds": "1,2"}, "m2": {"seeds": "1,3"}, "m3": {"seeds": "1,2"}}, work,
+                       say=lines.append)  # fmt: skip
+    assert calls[-1] == ["m2"] and again["m1"] == first["m1"] and list(again) == ["m1", "m2", "m3"]
+    assert "m1: kept (done before with the same settings)" in " ".join(lines)
+    assert json.loads((tmp_path / "m2" / "stage.json").read_text())["settings"] == {"seeds": "1,3"}
 
 
 # --------------------------------------------------------------------------- the experiment's own rules
