@@ -2,12 +2,15 @@
 
     python pipeline/finetune.py --model DIR [--model LABEL=DIR ...] \
         --task cola:glue_data/CoLA --task mnli:glue_data/MNLI --task ner:data/msra --task cws:data/pku \
-        --out results/ [--seeds 1,2,3] [--epochs 3] [--lr 2e-5] [--batch_size 32] [--max_seq_len 128]
+        --task reviews=classify:data/reviews --out results/ [--seeds 1,2,3] [--epochs 3] [--lr 2e-5] \
+        [--batch_size 32] [--max_seq_len 128]
 
 GLUE tasks read the standard GLUE TSVs (train.tsv, dev.tsv; MNLI dev_matched/dev_mismatched.tsv) and are
 scored on dev with the official metric; ner/cws read CoNLL files (*train*, *dev*, *test*) with BIO or
-BMES tags and are scored with span F1. Writes OUT/results.json and OUT/results.md. Nothing is
-downloaded. The logic is in pipeline/evaluation/downstream/.
+BMES tags and are scored with span F1; NAME=classify:DIR reads any label<TAB>text folder (train.tsv,
+dev.tsv, optional test.tsv, no header; the labels are the training file's), scored by accuracy and
+macro-F1. Writes OUT/results.json and OUT/results.md. Nothing is downloaded. The logic is in
+pipeline/evaluation/downstream/.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from preprocessing import cli  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append", required=True, metavar="[LABEL=]DIR")
-    p.add_argument("--task", action="append", required=True, metavar="TASK:FOLDER")
+    p.add_argument("--task", action="append", required=True, metavar="TASK:FOLDER|NAME=classify:FOLDER")
     p.add_argument("--out", required=True, type=Path)
     cli.add_arguments(p, FinetuneConfig)
     cfg, ns = cli.parse_into(p, FinetuneConfig, argv)

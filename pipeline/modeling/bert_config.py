@@ -22,14 +22,15 @@ PRESETS: dict[str, dict[str, int]] = {
 
 def bert_config(spec: str, *, vocab_size: int) -> BertConfig:
     """A BertConfig from a preset name (vocabulary = the tokenizer's) or a JSON file (its own
-    vocab_size, checked against the tokenizer later)."""
+    vocab_size, checked against the tokenizer later; without one, the tokenizer's, as for a preset:
+    an architecture file need not know the size of a vocabulary trained with the shards)."""
     from transformers import BertConfig
 
     if spec in PRESETS:
         cfg = BertConfig(vocab_size=vocab_size, max_position_embeddings=512, **PRESETS[spec])
     else:
         try:
-            cfg = BertConfig.from_dict(json.loads(Path(spec).read_text()))
+            cfg = BertConfig.from_dict({"vocab_size": vocab_size, **json.loads(Path(spec).read_text())})
         except (OSError, json.JSONDecodeError) as e:
             raise UsageError(f"--model_config {spec}: cannot read a BertConfig JSON ({e})") from e
     cfg._attn_implementation = "sdpa"

@@ -19,7 +19,6 @@ ENTRY_POINTS = [
     "pipeline/analyze.py",
     "pipeline/export.py",
     "pipeline/plot_runs.py",
-    "pipeline/reproduce_mini.py",
     "preprocessing/build_shards.py",
 ]
 

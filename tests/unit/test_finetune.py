@@ -55,6 +55,13 @@ def test_correlations_hand_computed():
     assert M.spearman(x, y) == pytest.approx(scipy_stats.spearmanr(x, y)[0])
 
 
+def test_macro_f1_hand_computed():
+    pred, gold = ["a", "a", "b", "c", "a"], ["a", "b", "b", "a", "b"]
+    # a: tp 1, fp 2, fn 1 -> 2/5; b: tp 1, fp 0, fn 2 -> 2/4; c (only predicted): tp 0 -> 0
+    assert M.macro_f1(pred, gold) == pytest.approx((2 / 5 + 2 / 4 + 0) / 3)
+    assert M.macro_f1(gold, gold) == 1.0
+
+
 def test_span_extraction_bio_and_bmes():
     assert M.extract_spans(["B-PER", "I-PER", "O", "B-LOC"], scheme="bio") == {("PER", 0, 2), ("LOC", 3, 4)}
     # conlleval: an I without its B opens a span; a type change splits.
@@ -100,6 +107,16 @@ def test_metrics_agree_with_scikit_learn_and_seqeval_on_the_same_predictions():
         assert M.accuracy(pred, gold) == pytest.approx(sk.accuracy_score(gold, pred))
         assert M.f1_binary(pred, gold=gold) == pytest.approx(sk.f1_score(gold, pred))
         assert M.matthews_corrcoef(pred, gold) == pytest.approx(sk.matthews_corrcoef(gold, pred))
+    # Macro-F1 over any number of classes (string labels too), including a class only predicted and one
+    # only in gold, which scikit-learn counts with F1 0.
+    for n_classes in (2, 3, 5):
+        gold = [rng.randrange(n_classes) for _ in range(80)]
+        pred = [g if rng.random() < 0.6 else rng.randrange(n_classes + 1) for g in gold]
+        assert M.macro_f1(pred, gold) == pytest.approx(sk.f1_score(gold, pred, average="macro"))
+        names = [f"label {c}" for c in range(n_classes + 1)]
+        assert M.macro_f1([names[p] for p in pred], [names[g] for g in gold]) == pytest.approx(
+            sk.f1_score(gold, pred, average="macro")
+        )
     # Entity spans (MSRA-style BIO), including the cases conlleval defines: an I without its B opens a
     # span, and a type change inside a span splits it.
     tags = ["O", "O", "O", "B-PER", "I-PER", "B-LOC", "I-LOC", "B-ORG", "I-ORG", "I-PER"]
@@ -414,6 +431,84 @@ def test_skipped_dev_rows_warn_and_fail_past_the_share(tmp_path, capsys):
     assert (
         f"warning: {dev}: 19 of 21 rows skipped (19 unknown label); scores use the other 2" in capsys.readouterr().err
     )
+
+
+# --------------------------------------------------------------------------- any label<TAB>text folder
+
+
+MOODS = {"good": "pos", "bad": "neg"}  # a sentence with neither word is "neutral"
+
+
+def mood_rows(n: int, seed: int) -> list[str]:
+    """`label<TAB>text` rows of a 3-way task with string labels."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        words = rng.choices(FILLER, k=rng.randint(3, 8))
+        marker = rng.choice(["good", "bad", None])
+        if marker:
+            words.insert(rng.randint(0, len(words)), marker)
+        rows.append(f"{MOODS.get(marker, 'neutral')}\t{' '.join(words)}")
+    return rows
+
+
+def test_classify_folder_reads_the_training_files_labels(tmp_path):
+    from pipeline.evaluation.downstream.finetuning import parse_task
+    from pipeline.evaluation.downstream.tasks import TaskSpec, classify_task
+    from preprocessing.errors import UsageError
+
+    folder = tmp_path / "moods"
+    write(folder / "train.tsv", ["pos\tgreat fun", "neutral\tit was", "neg\tawful", "pos"])  # short row: skipped
+    write(folder / "dev.tsv", ["neg\tbad day", "pos\t好"])
+    task = classify_task("moods", folder)
+    assert task.labels == ("neg", "neutral", "pos") and task.metrics == ("accuracy", "macro_f1")
+    train, evals = read_glue_task(task, folder)
+    assert train.labels == [2, 1, 0] and train.text_a == ["great fun", "it was", "awful"]
+    assert train.skipped == {"too_few_columns": 1} and list(evals) == ["dev"]  # no test.tsv: dev only
+    assert evals["dev"].labels == [0, 2] and evals["dev"].text_a[1] == "好"
+    write(folder / "test.tsv", ["neutral\tso so"])
+    assert list(read_glue_task(classify_task("moods", folder), folder)[1]) == ["dev", "test"]
+    # A dev label the training file lacks is an error naming the file and line, not a skipped row.
+    write(folder / "dev.tsv", ["neg\tbad day", "angry\tgrr"])
+    with pytest.raises(UsageError, match=rf"^{folder / 'dev.tsv'}:2: label 'angry' is not among the training"):
+        read_glue_task(classify_task("moods", folder), folder)
+    write(tmp_path / "one" / "train.tsv", ["pos\ta", "pos\tb"])
+    write(tmp_path / "one" / "dev.tsv", ["pos\ta"])
+    with pytest.raises(UsageError, match="1 label.*at least 2"):
+        classify_task("one", tmp_path / "one")
+    (tmp_path / "no_dev").mkdir()
+    (tmp_path / "no_dev" / "train.tsv").write_text("a\tb\n")
+    with pytest.raises(UsageError, match="no_dev: no dev.tsv"):
+        classify_task("x", tmp_path / "no_dev")
+    gbk = tmp_path / "gbk" / "train.tsv"  # the readers' own non-UTF-8 error, also when reading the labels
+    gbk.parent.mkdir()
+    gbk.write_bytes("1\t房间太小。\n".encode("gbk"))
+    (gbk.parent / "dev.tsv").write_text("1\tok\n")
+    with pytest.raises(UsageError, match=rf"^{gbk}:1: not UTF-8"):
+        classify_task("gbk", gbk.parent)
+    assert parse_task("my-reviews=classify:data/a:b") == TaskSpec("my-reviews", Path("data/a:b"), "classify")
+    assert parse_task("SST-2:glue/SST-2") == TaskSpec("sst2", Path("glue/SST-2"))
+    with pytest.raises(UsageError, match="or NAME=classify:DIR"):
+        parse_task("reviews:data")
+
+
+def test_finetune_cli_classifies_a_folder_of_string_labels(tmp_path, tiny_model, capsys):
+    from pipeline.finetune import main
+
+    folder = tmp_path / "moods"
+    for split, n, seed in (("train.tsv", 300, 0), ("dev.tsv", 60, 1), ("test.tsv", 40, 2)):
+        write(folder / split, mood_rows(n, seed))
+    out = tmp_path / "results"
+    args = ["--model", f"tiny={tiny_model}", "--task", f"moods=classify:{folder}", "--out", str(out), "--seeds", "1"]
+    assert main([*args, "--epochs", "8", "--lr", "2e-3", "--batch_size", "16", "--max_seq_len", "32"]) == 0
+    res = json.loads((out / "results.json").read_text())["results"]["tiny"]["moods"]
+    assert res["kind"] == "classification" and res["metrics"] == ["accuracy", "macro_f1"]
+    for split in ("dev", "test"):
+        m = res["splits"][split]
+        assert m["accuracy"]["mean"] >= 0.9 and m["macro_f1"]["mean"] >= 0.9, m
+        assert m["score"]["mean"] == pytest.approx((m["accuracy"]["mean"] + m["macro_f1"]["mean"]) / 2)
+    md = (out / "results.md").read_text()
+    assert "| moods | dev | macro_f1 | " in md and "| moods | test | accuracy | " in md
 
 
 # --------------------------------------------------------------------------- issue 31: refused inputs

@@ -45,7 +45,6 @@ LEVELS = [
     ("pipeline.finetune", 5),
     ("pipeline.bench", 6),
     ("pipeline.experiments", 7),
-    ("pipeline.reproduce_mini", 7),
     ("pipeline", 1),  # pipeline/__init__.py
 ]
 

@@ -158,6 +158,9 @@ def test_config_presets_and_json(tmp_path):
     )
     cfg = bert_config(str(p), vocab_size=999)
     assert cfg.vocab_size == 77 and cfg.hidden_size == 32  # the JSON's own, checked against the tokenizer later
+    # An architecture without vocab_size takes the tokenizer's, as a preset does (it was BertConfig's 30522).
+    p.write_text(json.dumps({"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}))
+    assert bert_config(str(p), vocab_size=999).vocab_size == 999
     p.write_text("{not json")
     with pytest.raises(ValueError, match=r"--model_config .*c.json: cannot read"):
         bert_config(str(p), vocab_size=1)

@@ -29,11 +29,16 @@ from pipeline.data.masking import IGNORE_INDEX
 from pipeline.data.padding import pad_right
 from pipeline.evaluation.downstream import scoring as M
 from pipeline.evaluation.downstream.tasks import (
+    CLASSIFY,
     GLUE_TASKS,
     TAGGING_TASKS,
+    TASK_CHOICES,
     Examples,
     GlueTask,
     TaggedSentences,
+    TaskSpec,
+    classify_spec,
+    classify_task,
     read_glue_task,
     read_tagging_task,
 )
@@ -207,11 +212,11 @@ def check_skipped(ex: Examples, *, max_share: float) -> None:
     print(f"warning: {line}", file=sys.stderr)
 
 
-def prepare_task(name: str, *, folder: Path, tokenizer, cfg: FinetuneConfig) -> PreparedTask:
-    """Read and tokenise one task: a GLUE name (cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli) or
-    ner / cws (CoNLL files)."""
-    if name in GLUE_TASKS:
-        task: GlueTask = GLUE_TASKS[name]
+def prepare_task(name: str, *, folder: Path, tokenizer, cfg: FinetuneConfig, kind: str = "builtin") -> PreparedTask:
+    """Read and tokenise one task: a GLUE name (cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli),
+    chnsenti, ner / cws (CoNLL files), or with kind "classify" any label<TAB>text folder."""
+    if name in GLUE_TASKS or kind == CLASSIFY:
+        task: GlueTask = classify_task(name, folder) if kind == CLASSIFY else GLUE_TASKS[name]
         train, evals = read_glue_task(task, folder)
         for split in (train, *evals.values()):
             check_skipped(split, max_share=cfg.max_skipped_share)
@@ -223,7 +228,7 @@ def prepare_task(name: str, *, folder: Path, tokenizer, cfg: FinetuneConfig) -> 
             metrics=task.metrics,
             train=enc(train, cfg.max_train_samples),
             evals={k: enc(v, cfg.max_eval_samples) for k, v in evals.items()},
-            positive=task.labels.index(task.positive) if task.labels else 1,
+            positive=task.labels.index(task.positive) if "f1" in task.metrics else 1,
         )
     if name in TAGGING_TASKS:
         train, evals, tags, scheme = read_tagging_task(folder)
@@ -241,7 +246,7 @@ def prepare_task(name: str, *, folder: Path, tokenizer, cfg: FinetuneConfig) -> 
             tags=tags,
             scheme=scheme,
         )
-    raise UsageError(f"--task {name}: unknown task; choose from {sorted(GLUE_TASKS) + list(TAGGING_TASKS)}")
+    raise UsageError(f"--task {name}: unknown task; {TASK_CHOICES}")
 
 
 def collate(split: EncodedSplit, *, idx: list[int], pad_id: int, kind: str) -> dict[str, torch.Tensor]:
@@ -317,6 +322,7 @@ def score(task: PreparedTask, *, preds: list, gold: list) -> dict[str, float]:
     fns = {
         "accuracy": lambda: M.accuracy(preds, gold),
         "f1": lambda: M.f1_binary(preds, gold=gold, positive=task.positive),
+        "macro_f1": lambda: M.macro_f1(preds, gold),
         "mcc": lambda: M.matthews_corrcoef(preds, gold),
         "pearson": lambda: M.pearson(preds, gold),
         "spearman": lambda: M.spearman(preds, gold),
@@ -369,7 +375,8 @@ def finetune_once(
 
 def headline(task: PreparedTask, metrics: dict[str, float]) -> float:
     """One number per task: the GLUE convention (mean of F1 and accuracy for MRPC/QQP, of Pearson and
-    Spearman for STS-B; otherwise the first metric); span F1 for tagging."""
+    Spearman for STS-B, and so of accuracy and macro-F1 for a classify folder; otherwise the first
+    metric); span F1 for tagging."""
     if task.kind == "tagging":
         return metrics["f1"]
     return sum(metrics[m] for m in task.metrics) / len(task.metrics)
@@ -384,10 +391,10 @@ def aggregate(values: list[float]) -> dict:
 
 
 def evaluate_model(
-    model_dir: Path, *, tasks: list[tuple[str, Path]], cfg: FinetuneConfig, log=print, label: Optional[str] = None
+    model_dir: Path, *, tasks: list[TaskSpec], cfg: FinetuneConfig, log=print, label: Optional[str] = None
 ) -> dict:
-    """Every task x every seed for one model. Out: {task: {"splits": {split: {metric: {mean, std, per_seed}}},
-    "data": counts, "seeds": [...]}}."""
+    """Every task x every seed for one model; `tasks`: TaskSpecs, or (name, folder) pairs of built-in
+    tasks. Out: {task: {"splits": {split: {metric: {mean, std, per_seed}}}, "data": counts, "seeds": [...]}}."""
     from transformers import AutoTokenizer
 
     if not (model_dir / "config.json").is_file():
@@ -398,8 +405,8 @@ def evaluate_model(
         _WARNED.add(why)  # once per process, not once per model
         print(f"warning: --bf16 on {device}: {why}; drop --bf16 here", file=sys.stderr)
     results = {}
-    for name, folder in tasks:
-        task = prepare_task(name, folder=folder, tokenizer=tokenizer, cfg=cfg)
+    for name, folder, kind in (TaskSpec(*t) for t in tasks):
+        task = prepare_task(name, folder=folder, tokenizer=tokenizer, cfg=cfg, kind=kind)
         runs = []
         for seed in cfg.seeds:
             t0 = time.time()
@@ -456,22 +463,21 @@ def config_dict(cfg: FinetuneConfig) -> dict:
     return asdict(cfg)
 
 
-def parse_task(arg: str) -> tuple[str, Path]:
-    """--task TASK:FOLDER -> (task name, folder)."""
+def parse_task(arg: str) -> TaskSpec:
+    """--task TASK:FOLDER (a built-in task) or NAME=classify:FOLDER (any label<TAB>text folder)."""
+    spec = classify_spec(arg)
+    if spec is not None:
+        return spec
     name, sep, path = arg.partition(":")
     name = name.strip().lower().replace("-", "")
     if not sep or not path:
-        raise UsageError(f"--task {arg!r}: expected TASK:FOLDER, e.g. cola:glue_data/CoLA")
+        raise UsageError(f"--task {arg!r}: expected TASK:FOLDER, e.g. cola:glue_data/CoLA, or NAME=classify:FOLDER")
     if name not in GLUE_TASKS and name not in TAGGING_TASKS:
-        raise UsageError(
-            f"--task {arg!r}: unknown task {name!r}; choose from {sorted(GLUE_TASKS) + list(TAGGING_TASKS)}"
-        )
-    return name, Path(path)
+        raise UsageError(f"--task {arg!r}: unknown task {name!r}; {TASK_CHOICES}")
+    return TaskSpec(name, Path(path))
 
 
-def run_finetuning(
-    models: list[tuple[str, Path]], *, tasks: list[tuple[str, Path]], cfg: FinetuneConfig, out: Path
-) -> dict:
+def run_finetuning(models: list[tuple[str, Path]], *, tasks: list[TaskSpec], cfg: FinetuneConfig, out: Path) -> dict:
     """Every model on every task; writes OUT/results.json and OUT/results.md (also printed)."""
     from transformers.utils import logging as hf_logging
 

@@ -1,8 +1,8 @@
 """Official metrics of the downstream tasks, as pure functions over Python lists.
 
 GLUE: accuracy, binary F1 (MRPC, QQP), Matthews correlation (CoLA), Pearson and Spearman correlation
-(STS-B). Token tasks (Chinese NER, word segmentation): span extraction from BIO or BMES/BIOES tags and
-micro span F1, the conlleval way.
+(STS-B); macro-F1 for any-label classification folders. Token tasks (Chinese NER, word segmentation):
+span extraction from BIO or BMES/BIOES tags and micro span F1, the conlleval way.
 """
 
 from __future__ import annotations
@@ -25,6 +25,15 @@ def f1_binary(pred: Sequence, *, gold: Sequence, positive=1) -> float:
     fp = sum(p == positive and g != positive for p, g in zip(pred, gold))
     fn = sum(p != positive and g == positive for p, g in zip(pred, gold))
     return 2 * tp / (2 * tp + fp + fn) if tp else 0.0
+
+
+def macro_f1(pred: Sequence, gold: Sequence) -> float:
+    """The unweighted mean of every class's F1, over the classes that occur in `gold` or `pred` (as
+    scikit-learn's f1_score(average="macro") takes them); a class with no true positive scores 0."""
+    _same_length(pred, gold)
+    classes = set(pred) | set(gold)
+    per_class = [f1_binary(pred, gold=gold, positive=c) for c in classes]
+    return sum(per_class) / len(per_class) if per_class else float("nan")
 
 
 def matthews_corrcoef(pred: Sequence, gold: Sequence) -> float:

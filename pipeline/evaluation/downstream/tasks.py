@@ -7,6 +7,10 @@ name, except CoLA, whose train/dev files have no header (source, label, original
 ChnSentiCorp (`chnsenti`: label, text; no header).
 Rows with too few columns or an unknown label are skipped and counted, never dropped silently.
 
+Any labelled text classification folder (`NAME=classify:DIR`) reads as ChnSentiCorp does (`label<TAB>text`,
+no header; train.tsv, dev.tsv, and test.tsv when there is one), with the training file's labels: a label
+of another split that the training file lacks is an error naming the file and line, not a skipped row.
+
 Tagging (Chinese NER, word segmentation): one token per line, the token in the first column and its
 tag in the last; a blank line ends a sentence; `-DOCSTART-` lines are skipped. Splits are the files of
 the folder whose names contain train, dev/valid/val, and test.
@@ -15,12 +19,13 @@ the folder whose names contain train, dev/valid/val, and test.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn, Optional, Union
+from typing import NamedTuple, NoReturn, Optional, Union
 
 from pipeline.evaluation.downstream.scoring import detect_scheme, split_tag
 from preprocessing.errors import UsageError
@@ -42,6 +47,7 @@ class GlueTask:
     eval_files: tuple[tuple[str, str], ...] = (("dev", "dev.tsv"),)
     header: bool = True
     positive: str = "1"  # the F1 class
+    strict_labels: bool = False  # a label outside `labels`: an error naming the line, not a skipped row
 
 
 GLUE_TASKS: dict[str, GlueTask] = {
@@ -72,6 +78,30 @@ GLUE_TASKS: dict[str, GlueTask] = {
 }
 
 TAGGING_TASKS = ("ner", "cws")
+CLASSIFY = "classify"  # the kind of a NAME=classify:DIR task: any label<TAB>text folder
+
+
+class TaskSpec(NamedTuple):
+    """One task of a command line: a built-in task (a GLUE name, chnsenti, ner, cws) read from `folder`,
+    or, with kind CLASSIFY, any labelled text classification folder under the name the user gave it."""
+
+    name: str
+    folder: Path
+    kind: str = "builtin"
+
+
+_CLASSIFY_SPEC = re.compile(r"([\w.-]+)=classify:(.+)")
+
+
+def classify_spec(text: str) -> Optional[TaskSpec]:
+    """TaskSpec of `NAME=classify:DIR`, or None when `text` is not one."""
+    m = _CLASSIFY_SPEC.fullmatch(text.strip())
+    return TaskSpec(m[1], Path(m[2]), CLASSIFY) if m else None
+
+
+TASK_CHOICES = (
+    f"choose from {sorted(GLUE_TASKS) + list(TAGGING_TASKS)}, or NAME=classify:DIR for any label<TAB>text folder"
+)
 
 
 @dataclass
@@ -163,6 +193,11 @@ def read_glue_split(task: GlueTask, path: Path) -> Examples:
                 raise UsageError(f"{path}:{lineno}: score {raw!r} is not a finite number; fix or remove the row")
         elif raw in task.labels:
             label = task.labels.index(raw)
+        elif task.strict_labels:
+            raise UsageError(
+                f"{path}:{lineno}: label {raw!r} is not among the training file's labels {list(task.labels)}; "
+                f"fix the row, or add examples of it to {path.parent / 'train.tsv'}"
+            )
         else:
             ex.skip("unknown_label")
             continue
@@ -181,6 +216,31 @@ def read_glue_task(task: GlueTask, folder: Path) -> tuple[Examples, dict[str, Ex
         raise UsageError(f"{folder}: not a folder (expected glue_data/{task.folder_hint})")
     train = read_glue_split(task, folder / "train.tsv")
     return train, {name: read_glue_split(task, folder / fname) for name, fname in task.eval_files}
+
+
+def classify_task(name: str, folder: Path) -> GlueTask:
+    """A `label<TAB>text` folder read as ChnSentiCorp is (no header), with the labels its train.tsv holds
+    (sorted), scored by accuracy and macro-F1 on dev.tsv and on test.tsv when there is one."""
+    for need in ("train.tsv", "dev.tsv"):
+        if not (folder / need).is_file():
+            raise UsageError(
+                f"{name}=classify:{folder}: no {need} (expected label<TAB>text files train.tsv, dev.tsv and "
+                f"optionally test.tsv, no header)"
+            )
+    train = folder / "train.tsv"
+    labels = sorted({row[0].strip() for row in _read_tsv(train) if len(row) >= 2 and row[0].strip()})
+    if len(labels) < 2:
+        raise UsageError(f"{train}: {len(labels)} label(s) {labels}; a classification task needs at least 2")
+    evals = (("dev", "dev.tsv"),) + ((("test", "test.tsv"),) if (folder / "test.tsv").is_file() else ())
+    return dataclasses.replace(
+        GLUE_TASKS["chnsenti"],
+        name=name,
+        folder_hint=f"{name} (label<TAB>text)",
+        labels=tuple(labels),
+        metrics=("accuracy", "macro_f1"),
+        eval_files=evals,
+        strict_labels=True,
+    )
 
 
 @dataclass
