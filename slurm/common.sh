@@ -129,13 +129,20 @@ latest_checkpoint_step() {
     if [[ "$tag" =~ ^step_0*([0-9]+)$ ]]; then echo "${BASH_REMATCH[1]}"; else echo -1; fi
 }
 
+# Until a step runs, a pre-emption signal that reaches the batch shell is remembered in SIGNALLED
+# (bash's default for USR1 and TERM would end the script, and the job with it, unrequeued): the
+# next step is then not started, and the job is requeued (train_job.sh's run_phase).
+remember_signals() {
+    trap 'SIGNALLED=USR1' USR1
+    trap 'SIGNALLED=TERM' TERM
+}
+
 # Run "$@" (an srun command) in the background and wait for it, forwarding USR1/TERM that reach
 # the batch shell to the step. The batch shell only receives them when they are sent to it
 # (`--signal=B:USR1@...`, `scancel --batch`/`--full`); the header's `--signal=USR1@180` signals
-# the step's tasks directly. The trainer treats repeated signals as one. Sets STEP_RC and
-# SIGNALLED (the signal name seen by the batch shell, or empty).
+# the step's tasks directly. The trainer treats repeated signals as one. Sets STEP_RC, and
+# SIGNALLED to the signal's name when the batch shell saw one (the caller empties it once per job).
 run_step_forwarding_signals() {
-    SIGNALLED=""
     "$@" &
     local pid=$!
     # srun forwards USR1 and TERM to every task of its step. The pid is fixed now (SC2064).
@@ -151,31 +158,54 @@ run_step_forwarding_signals() {
     # shellcheck disable=SC2034  # read by the caller
     STEP_RC=$?
     set -e
-    trap - USR1 TERM
+    remember_signals
 }
 
 # After a step that exited 0: requeue this job if training stopped before MAX_STEPS (a
-# pre-emption signal made the trainer save and exit 0). Exits the script in every case.
-finish_or_requeue() {  # SAVE_DIR MAX_STEPS MAX_REQUEUES
-    local save_dir="$1" max_steps="$2" max_requeues="$3" at restarts
+# pre-emption signal made the trainer save and exit 0); return when it reached MAX_STEPS. LABEL
+# ("phase 2") starts the messages of a job with several phases.
+finish_or_requeue() {  # SAVE_DIR MAX_STEPS MAX_REQUEUES [LABEL]
+    local save_dir="$1" max_steps="$2" max_requeues="$3" label="${4:+$4: }" at
     at=$(latest_checkpoint_step "$save_dir")
-    restarts="${SLURM_RESTART_COUNT:-0}"
     if (( at >= max_steps )); then
-        say "training finished: checkpoint at step $at of $max_steps (restarts: $restarts)"
+        say "${label}training finished: checkpoint at step $at of $max_steps (restarts: ${SLURM_RESTART_COUNT:-0})"
         return 0
     fi
-    say "the step exited 0 at step $at of $max_steps${SIGNALLED:+ after SIG$SIGNALLED}: pre-empted"
-    if (( restarts >= max_requeues )); then
-        say "not requeueing: this job was already requeued $restarts times (MAX_REQUEUES=$max_requeues)"
+    say "${label}the step exited 0 at step $at of $max_steps${SIGNALLED:+ after SIG$SIGNALLED}: pre-empted"
+    requeue_job "$max_requeues" "it resumes ${4:+$4 }from step $at"
+}
+
+# Requeue this job (the headers say --requeue) and end the script; the requeued job runs it again
+# from the top. NEXT says what the next run does. Exits 3 when the job cannot be requeued.
+requeue_job() {  # MAX_REQUEUES NEXT
+    local restarts="${SLURM_RESTART_COUNT:-0}"
+    if (( restarts >= $1 )); then
+        say "not requeueing: this job was already requeued $restarts times (MAX_REQUEUES=$1)"
         exit 3
     fi
-    say "requeueing job $SLURM_JOB_ID (restart $((restarts + 1))); it resumes from step $at"
-    # Slurm ends this script now; the requeued job runs it again from the top, with --resume auto.
+    say "requeueing job $SLURM_JOB_ID (restart $((restarts + 1))); $2"
     if ! scontrol requeue "$SLURM_JOB_ID"; then
         say "scontrol requeue failed (was the job submitted with --no-requeue?); submit the same script" \
-            "again: it resumes from step $at"
+            "again: $2"
         exit 3
     fi
     sleep 60  # the requeue ends this shell; never run on into the success path
     exit 3
+}
+
+# Seconds left before this job's time limit (squeue's %L), or -1 when it has none or Slurm does
+# not say.
+job_seconds_left() {
+    slurm_duration_s "$(squeue -h -j "$SLURM_JOB_ID" -o %L 2>/dev/null | head -n 1)"
+}
+
+# A duration as Slurm prints it ([D-]HH:MM:SS, MM:SS, SS) in seconds; -1 for anything else
+# (UNLIMITED, NOT_SET, empty).
+slurm_duration_s() {  # DURATION
+    local t="$1" days=0 total=0 part parts
+    if [[ "$t" =~ ^([0-9]+)-(.+)$ ]]; then days="${BASH_REMATCH[1]}" t="${BASH_REMATCH[2]}"; fi
+    [[ "$t" =~ ^[0-9]+(:[0-9]+){0,2}$ ]] || { echo -1; return 0; }
+    IFS=: read -ra parts <<<"$t"
+    for part in "${parts[@]}"; do total=$(( total * 60 + 10#$part )); done
+    echo $(( 10#$days * 86400 + total ))
 }

@@ -31,6 +31,10 @@
 #   REPORT_TO        tensorboard | wandb | tensorboard,wandb [tensorboard]; WANDB_* reach every rank
 #   NODES [1], GPUS_PER_NODE [8], PARTITION, ACCOUNT, TIME_LIMIT, CPU_MODE [0], DIST_TIMEOUT_S [the trainer's],
 #   PYTHON [python], LOCAL_DISK [$SLURM_TMPDIR or /tmp], MAX_REQUEUES [50], DRY_RUN [0]
+#   A second phase in the same job, as in taco_64gpu.sh: PHASE2_DATA [] (unset: one phase),
+#   PHASE2_STEPS [required with PHASE2_DATA], PHASE2_LR [LR if set, else the trainer's],
+#   PHASE2_WARMUP_STEPS [the trainer's], PHASE2_DS_CONFIG [DS_CONFIG], PHASE2_SAVE_DIR [SAVE_DIR/phase2],
+#   PHASE2_EXTRA_ARGS []
 #
 # Pre-emption and requeue work as in taco_64gpu.sh: SIGUSR1 180 s before the limit, a checkpoint,
 # exit 0, `scontrol requeue`, and the next run resumes (--resume auto).

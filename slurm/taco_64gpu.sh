@@ -44,7 +44,15 @@
 #   REPORT_TO        the trainer's --report_to: tensorboard, wandb, both comma-separated [tensorboard];
 #                    WANDB_* variables (WANDB_PROJECT, WANDB_MODE=offline, ...) reach every rank, and a
 #                    requeued job continues the same W&B run
-#   EXTRA_ARGS       more pipeline/train.py flags, split on spaces []
+#   EXTRA_ARGS       more pipeline/train.py flags, split on spaces (both phases) []
+#   A second phase (BERT's recipe: 90% of the steps at 128 tokens, the rest at 512), in the same job:
+#   PHASE2_DATA      phase 2's shard folder(s), e.g. built with --max_seq_len 512; unset: one phase []
+#   PHASE2_STEPS     phase 2's optimizer steps [required with PHASE2_DATA]
+#   PHASE2_LR, PHASE2_WARMUP_STEPS   phase 2's peak learning rate and warm-up [LR, 6% of PHASE2_STEPS]
+#   PHASE2_DS_CONFIG phase 2's DeepSpeed JSON (longer sequences may want a smaller micro-batch) [DS_CONFIG]
+#   PHASE2_SAVE_DIR  phase 2's run folder [SAVE_DIR/phase2]
+#   PHASE2_EXTRA_ARGS more pipeline/train.py flags for phase 2 only []
+#   (TOKENIZER, SAVE_EVERY, SEED, DIST_TIMEOUT_S, REPORT_TO apply to both phases; EXPORT_DIR to the last)
 #   PYTHON           the interpreter the ranks run [python]
 #   LOCAL_DISK       node-local scratch root; the job uses LOCAL_DISK/tokencl-JOBID as TMPDIR [$SLURM_TMPDIR or /tmp]
 #   MAX_REQUEUES     stop requeueing after this many restarts [50]
@@ -55,6 +63,12 @@
 # exits 0; this script then finds the last checkpoint short of MAX_STEPS and requeues the job,
 # which resumes from it (--resume auto). A failed step (a rank died) is not requeued: submit the
 # script again and it resumes from the last complete checkpoint.
+#
+# Two phases (PHASE2_DATA set): phase 1 trains into SAVE_DIR; once its checkpoint is at MAX_STEPS,
+# the same job trains phase 2 into PHASE2_SAVE_DIR, starting from that checkpoint's weights and
+# optimizer state (pipeline/train.py --continue_from SAVE_DIR) with phase 2's data, schedule and
+# steps. A pre-emption in either phase requeues the job; the requeued job skips a finished phase 1
+# and resumes phase 2 (or resumes phase 1). The log's "[slurm] phase N: ..." lines say which ran.
 set -euo pipefail
 
 # sbatch runs a copy of this script from Slurm's spool folder: find the repository.
@@ -79,6 +93,9 @@ DEFAULT_CPUS_PER_TASK=8
 : "${DATA:=data/shards}" "${SAVE_DIR:=runs/taco-64gpu}"
 : "${MAX_STEPS:=62500}" "${LR:=1e-3}"
 [[ "$MAX_STEPS" =~ ^[0-9]+$ ]] && : "${WARMUP_STEPS:=$(( MAX_STEPS * 6 / 100 ))}"
+if [[ -n "${PHASE2_DATA:-}" && "${PHASE2_STEPS:-}" =~ ^[0-9]+$ ]]; then
+    : "${PHASE2_WARMUP_STEPS:=$(( PHASE2_STEPS * 6 / 100 ))}"
+fi
 : "${DS_CONFIG:=$REPO/deepspeed_configs/zero2_64gpu.json}" "${MODEL_CONFIG:=base}"
 : "${PYTHON:=python}" "${LOCAL_DISK:=${SLURM_TMPDIR:-/tmp}}" "${MAX_REQUEUES:=50}"
 

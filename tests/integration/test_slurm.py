@@ -25,6 +25,7 @@ import pytest
 
 from tests.support import logs
 from tests.support.slurm_cluster import SlurmCluster, SlurmUnavailable
+from tests.support.trainer import read_metrics, shard_sets
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "preprocessing" / "sample_corpus"
@@ -305,6 +306,66 @@ def test_a_late_copy_of_the_preemption_signal_does_not_fail_the_job(slurm, shard
     assert proc.returncode == 0, text[-6000:]
     (at,) = [int(step) for _, step in PREEMPTED.findall(text)]
     assert [int(step) for _, step in RESUMED.findall(text)] == [at] and DONE.findall(text) == [str(max_steps)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Two phases in one job (PHASE2_DATA): 64 then 128 tokens, each pre-empted, the job requeued
+# ---------------------------------------------------------------------------------------------------
+
+CONTINUED = logs.pattern(r"phase 2: continuing from (\S+) ")
+
+
+def test_two_phases_each_preempted_requeued_and_finished(slurm, ds_config, tmp_path_factory, tmp_path):
+    """Phase 1 (packed64) is pre-empted through the ranks (--signal=USR1@180's way), the requeued job
+    resumes it, finishes it and starts phase 2 (packed128, --continue_from) in the same allocation;
+    phase 2 is pre-empted through the batch shell (scancel --batch); the second requeue skips the
+    finished phase 1 and resumes phase 2 to its end."""
+    sets = shard_sets(tmp_path_factory)  # packed64 and packed128: one corpus, one tokenizer
+    save, log_path, steps1, steps2 = tmp_path / "run", tmp_path / "phases.out", 60, 40
+    save2 = save / "phase2"  # PHASE2_SAVE_DIR's default
+    knobs = taco_knobs(data=sets["packed64"], save_dir=save, ds_config=ds_config, max_steps=steps1)
+    env = job_env(slurm, **knobs, PHASE2_DATA=str(sets["packed128"]), PHASE2_STEPS=str(steps2))
+    proc, job = start_job(slurm, env, log_path)
+    try:
+
+        def log() -> str:
+            return log_path.read_text(errors="replace") if log_path.exists() else ""
+
+        wait_for(lambda: max(metrics_steps(save), default=0) >= 3, timeout_s=240, what="phase 1 step 3", log=log_path)
+        subprocess.run(["scancel", "--signal=USR1", str(job)], env=slurm.env, check=True)
+        wait_for(lambda: PREEMPTED.findall(log()), timeout_s=60, what="phase 1's save", log=log_path)
+        wait_for(lambda: max(metrics_steps(save2), default=0) >= 3, timeout_s=300, what="phase 2 step 3", log=log_path)
+        subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], env=slurm.env, check=True)
+        proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            subprocess.run(["scancel", str(job)], env=slurm.env)
+            proc.kill()
+    text = log()
+    assert proc.returncode == 0, text[-8000:]
+
+    (first, second) = saves = [(sig, int(step)) for sig, step in PREEMPTED.findall(text)]
+    assert [sig for sig, _ in saves] == ["SIGUSR1", "SIGUSR1"], text[-8000:]
+    assert 3 <= first[1] < steps1 and 3 <= second[1] < steps2
+    resumes = [(Path(p).resolve().parent.parent, Path(p).name) for p, _ in RESUMED.findall(text)]
+    want = [(save.resolve(), f"step_{first[1]:08d}"), (save2.resolve(), f"step_{second[1]:08d}")]
+    assert resumes == want, text[-8000:]
+    assert DONE.findall(text) == [str(steps1), str(steps2)]
+    assert "(restart 1)" in text and "(restart 2)" in text
+    assert "phase 2: the step exited 0 at step" in text and "after SIGUSR1: pre-empted" in text
+    # Phase 2 started once, from phase 1's last checkpoint; the last run did not train phase 1 again.
+    last1 = (save / "checkpoints" / f"step_{steps1:08d}").resolve()
+    assert [Path(p).resolve() for p in CONTINUED.findall(text)] == [last1]
+    assert f"phase 1: not trained again: phase 2 has started (checkpoint step {second[1]}" in text
+    assert metrics_steps(save) == list(range(1, steps1 + 1))  # each step once: never retrained
+    assert (save / "checkpoints" / "latest").read_text().strip() == f"step_{steps1:08d}"
+    # Phase 2's metrics: every step once, its global steps running on from phase 1's.
+    lines = read_metrics(save2)
+    assert [r["step"] for r in lines] == list(range(1, steps2 + 1)) and {r["phase"] for r in lines} == {2}
+    assert [r["global_step"] for r in lines] == list(range(steps1 + 1, steps1 + steps2 + 1))
+    config = json.loads((save2 / "config.json").read_text())
+    assert config["phase"]["steps_before"] == steps1 and config["max_seq_len"] == 128
+    assert (save2 / "checkpoints" / "latest").read_text().strip() == f"step_{steps2:08d}"
 
 
 # ---------------------------------------------------------------------------------------------------
