@@ -139,6 +139,9 @@ class Stages:
 
 
 def install_wheels(carry: Path, site: Path) -> dict[str, Any]:
+    """The carried wheels into `site`, emptied first: packages left there by an earlier run (another
+    Python's compiled modules) would shadow the machine's own, first on PYTHONPATH."""
+    shutil.rmtree(site, ignore_errors=True)
     wheels = sorted(str(p) for p in (carry / "wheels").glob("*.whl"))
     if not wheels:
         return {"installed": []}
