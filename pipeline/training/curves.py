@@ -34,6 +34,14 @@ TITLES = {
 EVAL = "eval/"  # the held-out evaluation's fields: eval/<training field> joins that field's panel
 
 
+def _x(record: dict[str, Any]) -> int:
+    """Where a record is drawn: its step counted from the first phase's start (global_step), so that a
+    second phase (--continue_from) continues to the right of the first; a run from before phases had
+    only "step"."""
+    g = _number(record.get("global_step"))
+    return int(g) if g is not None else record["step"]
+
+
 @dataclass
 class RunCurves:
     """One run's metrics.jsonl: its label and records sorted by step."""
@@ -49,7 +57,7 @@ class RunCurves:
 
     def series(self, name: str) -> tuple[list[int], list[float]]:
         """(steps, values) of one field; records without a number for it that can be drawn are left out."""
-        pts = [(r["step"], _number(r.get(name))) for r in self.records]
+        pts = [(_x(r), _number(r.get(name))) for r in self.records]
         pts = [(s, v) for s, v in pts if v is not None]
         return [s for s, _ in pts], [v for _, v in pts]
 
@@ -60,7 +68,7 @@ class RunCurves:
         for r in self.records:
             for k, v in r.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and _number(v) is None:
-                    out.setdefault(k, []).append((r["step"], v))
+                    out.setdefault(k, []).append((_x(r), v))
         return out
 
 
@@ -179,7 +187,7 @@ def draw(runs: list[RunCurves], p: Plan, *, title: Optional[str] = None):
                 held_out = True
                 ax.plot(steps, values, color=colours[i % len(colours)], ls="--", marker="o", ms=3, lw=1.2)
         ax.set_title(TITLES.get(name, name) + (" (dashed: held-out)" if held_out else ""), fontsize=10)
-        ax.set_xlabel("step", fontsize=8)
+        ax.set_xlabel("step (counted from the first phase)", fontsize=8)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
         if name == "lr":

@@ -149,3 +149,16 @@ def test_values_too_large_to_draw_are_gaps_named_on_stderr(tmp_path, capsys):
     assert f"{folder / 'metrics.jsonl'}: 1 line(s) without a step skipped" in err
     assert f"{folder / 'metrics.jsonl'}: loss not drawn where it is 1e+308 at step 2, -1e+308 at step 3" in err
     assert "grad_norm not drawn where it is 1.000e+400 at step 2, nan at step 4" in err
+
+
+def test_a_second_phase_is_drawn_after_the_first(tmp_path):
+    """A --continue_from run's lines carry global_step (its steps counted from the first phase's start):
+    the curves put it to the right of the first phase, not over it."""
+    first = write_run(tmp_path / "p1", "taco", range(1, 11))
+    second = tmp_path / "p2"
+    second.mkdir()
+    rows = [{"step": s, "phase": 2, "global_step": 10 + s, "loss": 5.0 - 0.1 * s} for s in range(1, 6)]
+    (second / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    steps1, _ = curves.read_run(str(first)).series("loss")
+    steps2, values2 = curves.read_run(str(second)).series("loss")
+    assert steps1 == list(range(1, 11)) and steps2 == list(range(11, 16)) and values2[0] == 4.9
