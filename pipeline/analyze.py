@@ -1,7 +1,7 @@
 """Representation analysis of one or more models (and of one run's checkpoints).
 
-    python pipeline/analyze.py --model DIR [--model LABEL=DIR ...] --data SHARDS_OR_TEXT --out report/
-                               [--run RUN_DIR] [--max_sequences N] [--heatmap_text "..."]
+    tokencl-analyze --model DIR [--model LABEL=DIR ...] --data SHARDS_OR_TEXT --out report/
+                    [--run RUN_DIR] [--max_sequences N] [--heatmap_text "..."]
 
 Writes report/metrics.json, report/layerwise.png, report/heatmap.png, report/training_gap.png (with
 --run) and report/README.md. The logic is in pipeline/evaluation/representation/.

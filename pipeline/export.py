@@ -1,6 +1,6 @@
 """Export a training checkpoint as a Hugging Face BERT folder (AutoModelForMaskedLM, AutoModel, fill-mask).
 
-    python pipeline/export.py --checkpoint RUN/checkpoints/step_00001000 --out HF_DIR
+    tokencl-export --checkpoint RUN/checkpoints/step_00001000 --out HF_DIR
 
 The weights are the fp32 master weights of the ZeRO optimizer; the logic is in pipeline/training/hf_export.py.
 """

@@ -1,6 +1,6 @@
 """Downstream evaluation from local files.
 
-    python pipeline/finetune.py --model DIR [--model LABEL=DIR ...] \
+    tokencl-finetune --model DIR [--model LABEL=DIR ...] \
         --task cola:glue_data/CoLA --task mnli:glue_data/MNLI --task ner:data/msra --task cws:data/pku \
         --task reviews=classify:data/reviews --out results/ [--seeds 1,2,3] [--epochs 3] [--lr 2e-5] \
         [--batch_size 32] [--max_seq_len 128]

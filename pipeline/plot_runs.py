@@ -1,7 +1,7 @@
 """Plot training runs side by side: every loss term, accuracy, learning rate, gradient norm and throughput
 against the step, one panel per field, one colour per run.
 
-    python pipeline/plot_runs.py RUN [RUN ...] --out curves.png     (or: tokencl-plot-runs ...)
+    tokencl-plot-runs RUN [RUN ...] --out curves.png
 
 RUN is a run folder (--save_dir) or a metrics.jsonl; only metrics.jsonl is read. Runs that lack a field
 are named on stderr and in its panel; values that cannot be drawn (NaN, infinite, beyond 1e300) are
