@@ -143,65 +143,77 @@ def resolve_inputs(
     inside = _inside(exclude)
     for spec in specs:
         lang, pattern = parse_input_spec(spec)
-        pattern = os.path.expanduser(pattern)
-        if glob.has_magic(pattern):
-            matches = sorted(glob.glob(pattern, recursive=True))
-            own = [m for m in matches if inside(m)]
-            matches = [m for m in matches if not inside(m)]
-            if own:
-                note(f"--input {spec}: skipped {len(own)} path(s) inside --output {exclude} (the build's own files)")
-            if not matches:
-                extra = f" outside --output {exclude}" if own else ""
-                raise UsageError(f"--input {spec}: the glob {pattern!r} matched no files{extra}")
-        else:
-            if not os.path.lexists(pattern):
-                raise UsageError(f"--input {spec}: no such file or directory: {pattern}")
-            if inside(pattern):
-                raise UsageError(
-                    f"--input {spec}: is inside --output {exclude}; a build cannot read its own "
-                    "output: choose another --output"
-                )
-            matches = [pattern]
-        for match in matches:
-            path = Path(match)
-            if path.is_symlink() and not path.exists():
-                raise UsageError(
-                    f"--input {spec}: {path} is a broken symbolic link (to {os.readlink(path)}); fix or remove it"
-                )
-            if path.is_dir():
-                if not _is_hf_dataset_dir(path):
-                    raise UsageError(
-                        f"--input {spec}: {path} is a directory but not a datasets save_to_disk "
-                        "folder; pass a glob such as DIR/*.txt"
-                    )
-                pieces = [(p, "arrow", None) for p in _hf_arrow_files(path, spec)]
-            else:
-                pieces = [(path, *classify(path))]
-            for p, kind, compression in pieces:
+        for match in _matches(spec, pattern=os.path.expanduser(pattern), inside=inside, exclude=exclude):
+            for p, kind, compression in _pieces(Path(match), spec=spec):
                 key = str(p.resolve())
                 if key in seen:
                     raise UsageError(f"--input {spec}: {p} is already read by --input {seen[key]}")
                 seen[key] = spec
-                st = _regular_file_stat(p, spec)
-                encoding = (
-                    charsets.encoding_for(str(p), list(encoding_rules))
-                    if kind in ("text", "jsonl")
-                    else charsets.DEFAULT
+                files.append(
+                    _input_file(
+                        p, kind=kind, compression=compression, lang=lang, spec=spec, encoding_rules=encoding_rules
+                    )
                 )
-                file = InputFile(
-                    path=str(p),
-                    lang=lang,
-                    kind=kind,
-                    compression=compression,
-                    size=st.st_size,
-                    spec=spec,
-                    mtime_ns=st.st_mtime_ns,
-                    encoding=encoding,
-                )
-                if kind in ("text", "jsonl") and file.size:
-                    _check_content(file)
-                files.append(file)
     return files
+
+
+def _matches(spec: str, *, pattern: str, inside, exclude: str | Path | None) -> list[str]:
+    """The paths one spec's pattern names: a glob's matches, sorted, less those inside `exclude` (with a
+    note); or the one explicit path, which must exist and lie outside `exclude`."""
+    if glob.has_magic(pattern):
+        matches = sorted(glob.glob(pattern, recursive=True))
+        own = [m for m in matches if inside(m)]
+        matches = [m for m in matches if not inside(m)]
+        if own:
+            note(f"--input {spec}: skipped {len(own)} path(s) inside --output {exclude} (the build's own files)")
+        if not matches:
+            extra = f" outside --output {exclude}" if own else ""
+            raise UsageError(f"--input {spec}: the glob {pattern!r} matched no files{extra}")
+        return matches
+    if not os.path.lexists(pattern):
+        raise UsageError(f"--input {spec}: no such file or directory: {pattern}")
+    if inside(pattern):
+        raise UsageError(
+            f"--input {spec}: is inside --output {exclude}; a build cannot read its own output: choose another --output"
+        )
+    return [pattern]
+
+
+def _pieces(path: Path, *, spec: str) -> list[tuple[Path, str, str | None]]:
+    """(file, kind, compression) for one matched path: itself, or the Arrow files of a `datasets`
+    save_to_disk folder. Refuses a broken symbolic link and any other directory."""
+    if path.is_symlink() and not path.exists():
+        raise UsageError(f"--input {spec}: {path} is a broken symbolic link (to {os.readlink(path)}); fix or remove it")
+    if path.is_dir():
+        if not _is_hf_dataset_dir(path):
+            raise UsageError(
+                f"--input {spec}: {path} is a directory but not a datasets save_to_disk "
+                "folder; pass a glob such as DIR/*.txt"
+            )
+        return [(p, "arrow", None) for p in _hf_arrow_files(path, spec)]
+    return [(path, *classify(path))]
+
+
+def _input_file(
+    p: Path, *, kind: str, compression: str | None, lang: str | None, spec: str, encoding_rules
+) -> InputFile:
+    """The InputFile for a regular file with its state now; a text/JSONL file's encoding from
+    `encoding_rules`, and a non-empty one's content checked."""
+    st = _regular_file_stat(p, spec)
+    encoding = charsets.encoding_for(str(p), list(encoding_rules)) if kind in ("text", "jsonl") else charsets.DEFAULT
+    file = InputFile(
+        path=str(p),
+        lang=lang,
+        kind=kind,
+        compression=compression,
+        size=st.st_size,
+        spec=spec,
+        mtime_ns=st.st_mtime_ns,
+        encoding=encoding,
+    )
+    if kind in ("text", "jsonl") and file.size:
+        _check_content(file)
+    return file
 
 
 def _inside(folder: str | Path | None):

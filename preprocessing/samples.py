@@ -121,9 +121,8 @@ def nsp_instances(
     max_tokens = max_seq_len - 3
     sent = docs.sent_offsets_S1
     doc_sents = docs.doc_sent_offsets_D1
-    num_docs = docs.num_docs
     run_lo_D, run_hi_D = _runs(docs.source_ids())
-    num_a = docs.num_a_docs if docs.num_a_docs is not None else num_docs
+    num_a = docs.num_a_docs if docs.num_a_docs is not None else docs.num_docs
     for d in range(num_a):
         first, last = int(doc_sents[d]), int(doc_sents[d + 1])
         target = max_tokens
@@ -138,20 +137,9 @@ def nsp_instances(
                 a_end = chunk_start + (rng.randint(1, n - 1) if n >= 2 else 1)
                 a = (int(sent[chunk_start]), int(sent[a_end]))
                 if n == 1 or rng.random() < random_next_prob:
-                    target_b = target - (a[1] - a[0])
-                    lo, hi = int(run_lo_D[d]), int(run_hi_D[d])
-                    if num_docs == hi - lo:
-                        raise ValueError(f"document {d}: a random B needs another document in the block")
-                    r = rng.randint(0, num_docs - (hi - lo) - 1)
-                    r += (hi - lo) if r >= lo else 0  # skip A's own document
-                    r_first, r_last = int(doc_sents[r]), int(doc_sents[r + 1])
-                    j = rng.randint(r_first, r_last - 1)
-                    b_lo = int(sent[j])
-                    while j < r_last:
-                        j += 1
-                        if sent[j] - b_lo >= target_b:
-                            break
-                    b, b_doc, is_random = (b_lo, int(sent[j])), r, True
+                    run = (int(run_lo_D[d]), int(run_hi_D[d]))
+                    b, b_doc = _random_b(docs, d=d, own_run=run, target_tokens=target - (a[1] - a[0]), rng=rng)
+                    is_random = True
                     i -= (i + 1) - a_end  # the sentences A did not use go back
                 else:
                     b, b_doc, is_random = (a[1], int(sent[i + 1])), d, False
@@ -159,6 +147,28 @@ def nsp_instances(
                 yield NspInstance(a_cut, b_cut, is_random, d, b_doc, a, b)
                 chunk_start, length = i + 1, 0
             i += 1
+
+
+def _random_b(
+    docs: TokenizedDocs, *, d: int, own_run: tuple[int, int], target_tokens: int, rng: random.Random
+) -> tuple[tuple[int, int], int]:
+    """(B's token range, its document): a run of sentences from a random sentence on, until it holds
+    `target_tokens` tokens or its document ends, in an entry drawn uniformly among the block's entries
+    outside `own_run` (the entries [lo, hi) of A's source document, d's)."""
+    sent, doc_sents, num_docs = docs.sent_offsets_S1, docs.doc_sent_offsets_D1, docs.num_docs
+    lo, hi = own_run
+    if num_docs == hi - lo:
+        raise ValueError(f"document {d}: a random B needs another document in the block")
+    r = rng.randint(0, num_docs - (hi - lo) - 1)
+    r += (hi - lo) if r >= lo else 0  # skip A's own document
+    r_first, r_last = int(doc_sents[r]), int(doc_sents[r + 1])
+    j = rng.randint(r_first, r_last - 1)
+    b_lo = int(sent[j])
+    while j < r_last:
+        j += 1
+        if sent[j] - b_lo >= target_tokens:
+            break
+    return (b_lo, int(sent[j])), r
 
 
 def _truncate_pair(

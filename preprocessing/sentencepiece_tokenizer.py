@@ -65,36 +65,12 @@ def train_sentencepiece(
         spm.SentencePieceTrainer.train(
             sentence_iterator=lines,
             model_writer=model,
-            model_type=model_type,
-            vocab_size=vocab_size,
-            character_coverage=CHARACTER_COVERAGE,
-            split_by_unicode_script=True,
-            # nmt_nfkc is sentencepiece's default rule; _cf adds Unicode case folding.
-            normalization_rule_name="nmt_nfkc_cf" if lowercase else "nmt_nfkc",
-            pad_id=0,
-            pad_piece="[PAD]",
-            unk_id=1,
-            unk_piece="[UNK]",
-            bos_id=-1,
-            eos_id=-1,
-            control_symbols=["[CLS]", "[SEP]", "[MASK]"],
-            required_chars=_required_chars(lowercase),
-            hard_vocab_limit=False,
-            max_sentence_length=MAX_SENTENCE_BYTES,
-            input_sentence_size=0,
-            num_threads=num_threads,
-            minloglevel=1,
+            **_trainer_options(
+                model_type=model_type, vocab_size=vocab_size, lowercase=lowercase, num_threads=num_threads
+            ),
         )
     except (RuntimeError, SystemError) as err:  # sentencepiece 0.2.0 reports a failed iterator as SystemError
-        if lines.error is not None:  # the reader failed; sentencepiece wraps it in a RuntimeError
-            raise lines.error from None
-        if lines.count == 0:
-            raise UsageError("--train_tokenizer sentencepiece: the inputs hold no text to train on") from err
-        if "Vocabulary size is smaller than required_chars" in str(err):
-            raise UsageError(
-                f"--vocab_size {vocab_size}: smaller than the characters sentencepiece must "
-                f"keep ({err}); raise --vocab_size"
-            ) from err
+        _explain_failure(err, lines=lines, vocab_size=vocab_size)
         raise
     proto = model.getvalue()
     if model_type == "unigram":
@@ -102,6 +78,45 @@ def train_sentencepiece(
     ids = _piece_ids(proto, SPECIAL_TOKENS)
     assert ids == list(range(len(SPECIAL_TOKENS))), ids
     return proto
+
+
+def _trainer_options(*, model_type: str, vocab_size: int, lowercase: bool, num_threads: int) -> dict:
+    """SentencePieceTrainer.train's options: our special pieces and ids, normalisation, and no sampling."""
+    return dict(
+        model_type=model_type,
+        vocab_size=vocab_size,
+        character_coverage=CHARACTER_COVERAGE,
+        split_by_unicode_script=True,
+        # nmt_nfkc is sentencepiece's default rule; _cf adds Unicode case folding.
+        normalization_rule_name="nmt_nfkc_cf" if lowercase else "nmt_nfkc",
+        pad_id=0,
+        pad_piece="[PAD]",
+        unk_id=1,
+        unk_piece="[UNK]",
+        bos_id=-1,
+        eos_id=-1,
+        control_symbols=["[CLS]", "[SEP]", "[MASK]"],
+        required_chars=_required_chars(lowercase),
+        hard_vocab_limit=False,
+        max_sentence_length=MAX_SENTENCE_BYTES,
+        input_sentence_size=0,
+        num_threads=num_threads,
+        minloglevel=1,
+    )
+
+
+def _explain_failure(err: BaseException, *, lines: _Lines, vocab_size: int) -> None:
+    """Called while handling the trainer's error `err`: raises what the user can act on (the reader's own
+    exception, no text, a --vocab_size too small); returns for any other error, which the caller re-raises."""
+    if lines.error is not None:  # the reader failed; sentencepiece wraps it in a RuntimeError
+        raise lines.error from None
+    if lines.count == 0:
+        raise UsageError("--train_tokenizer sentencepiece: the inputs hold no text to train on") from err
+    if "Vocabulary size is smaller than required_chars" in str(err):
+        raise UsageError(
+            f"--vocab_size {vocab_size}: smaller than the characters sentencepiece must "
+            f"keep ({err}); raise --vocab_size"
+        ) from err
 
 
 class _Lines:

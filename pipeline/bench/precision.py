@@ -11,6 +11,7 @@ measures by how much, and is what `pipeline/hardware.py`'s figures come from.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -23,6 +24,16 @@ MODES = ("fp32", "bf16_weights", "bf16_autocast")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = _parse(argv)
+    import torch
+
+    torch.set_num_threads(a.threads)
+    seconds = _time_modes(_bert_config(a), batch=_batch(a), steps=a.steps)
+    cli.emit_json(_report(a, seconds=seconds), a.out)
+    return 0
+
+
+def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = cli.bench_parser(
         __doc__.split("\n")[0], smoke="2 layers x 64, micro-batch 4 x 32, 1 step: a smoke run", out=True
     )
@@ -36,13 +47,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = p.parse_args(argv)
     if a.quick:
         a.layers, a.hidden, a.vocab, a.micro, a.seq_len, a.steps = 2, 64, 1000, 4, 32, 1
-    import torch
-    from transformers import BertConfig, BertForPreTraining
+    return a
 
-    from pipeline.hardware import cpu_bf16_native
-    from pipeline.modeling.student import Student
 
-    torch.set_num_threads(a.threads)
+def _bert_config(a: argparse.Namespace):
+    from transformers import BertConfig
+
     cfg = BertConfig(
         vocab_size=a.vocab,
         hidden_size=a.hidden,
@@ -52,20 +62,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         max_position_embeddings=max(512, a.seq_len),
     )
     cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def _batch(a: argparse.Namespace) -> dict:
+    """Random tokens (ids_BL), 15% of positions masked (masked_BL), one segment, no padding."""
+    import torch
+
     gen = torch.Generator().manual_seed(0)
     ids_BL = torch.randint(5, a.vocab, (a.micro, a.seq_len), generator=gen)
     masked_BL = torch.rand(a.micro, a.seq_len, generator=gen) < 0.15
     types_BL, attn_BL = torch.zeros_like(ids_BL), torch.ones_like(ids_BL)
+    return {"ids_BL": ids_BL, "types_BL": types_BL, "attn_BL": attn_BL, "masked_BL": masked_BL}
 
-    def step_s(student, opt, *, autocast: bool) -> float:
-        t = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = student(ids_BL, types_BL, attn_BL, masked_BL)
-        loss = torch.nn.functional.cross_entropy(out["mlm_logits"].float(), ids_BL[masked_BL])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t
+
+def _time_modes(cfg, *, batch: dict, steps: int) -> dict[str, float]:
+    """Each mode's median step in seconds, over `steps` timed steps after one warm-up step, on a fresh
+    model (seed 0) and optimizer."""
+    import torch
+    from transformers import BertForPreTraining
+
+    from pipeline.modeling.student import Student
 
     seconds: dict[str, float] = {}
     for mode in MODES:
@@ -75,27 +92,46 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             net = net.to(torch.bfloat16)
         student = Student(net).train()
         opt = torch.optim.AdamW(student.parameters(), lr=1e-4)
-        step_s(student, opt, autocast=mode == "bf16_autocast")  # warm-up
+        _step_s(student, opt, batch=batch, autocast=mode == "bf16_autocast")  # warm-up
         seconds[mode] = statistics.median(
-            step_s(student, opt, autocast=mode == "bf16_autocast") for _ in range(a.steps)
+            _step_s(student, opt, batch=batch, autocast=mode == "bf16_autocast") for _ in range(steps)
         )
+    return seconds
+
+
+def _step_s(student, opt, *, batch: dict, autocast: bool) -> float:
+    """Seconds of one step: forward (under bf16 autocast if asked), masked-only MLM loss, backward, AdamW."""
+    import torch
+
+    ids_BL, masked_BL = batch["ids_BL"], batch["masked_BL"]
+    t = time.perf_counter()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = student(ids_BL, batch["types_BL"], batch["attn_BL"], masked_BL)
+    loss = torch.nn.functional.cross_entropy(out["mlm_logits"].float(), ids_BL[masked_BL])
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t
+
+
+def _report(a: argparse.Namespace, *, seconds: dict[str, float]) -> dict:
+    import torch
+
+    from pipeline.hardware import cpu_bf16_native
+
     tokens = a.micro * a.seq_len
-    cli.emit_json(
-        {
-            "benchmark": "precision",
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "cpu_bf16_native": cpu_bf16_native(),
-            "threads": a.threads,
-            "model": f"{a.layers} layers x {a.hidden}, vocabulary {a.vocab}, masked-only MLM head",
-            "micro_batch": f"{a.micro} x {a.seq_len}",
-            "step_s": {m: round(s, 4) for m, s in seconds.items()},
-            "tokens_per_s": {m: round(tokens / s, 1) for m, s in seconds.items()},
-            "bf16_weights_over_fp32": round(seconds["bf16_weights"] / seconds["fp32"], 2),
-            "bf16_autocast_over_fp32": round(seconds["bf16_autocast"] / seconds["fp32"], 2),
-        },
-        a.out,
-    )
-    return 0
+    return {
+        "benchmark": "precision",
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_bf16_native": cpu_bf16_native(),
+        "threads": a.threads,
+        "model": f"{a.layers} layers x {a.hidden}, vocabulary {a.vocab}, masked-only MLM head",
+        "micro_batch": f"{a.micro} x {a.seq_len}",
+        "step_s": {m: round(s, 4) for m, s in seconds.items()},
+        "tokens_per_s": {m: round(tokens / s, 1) for m, s in seconds.items()},
+        "bf16_weights_over_fp32": round(seconds["bf16_weights"] / seconds["fp32"], 2),
+        "bf16_autocast_over_fp32": round(seconds["bf16_autocast"] / seconds["fp32"], 2),
+    }
 
 
 if __name__ == "__main__":

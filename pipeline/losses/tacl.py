@@ -47,11 +47,11 @@ def tacl_loss(
 
     l_i = -log( exp(cos(s_i, t_i)/tau) / sum_j exp(cos(s_i, t_j)/tau) ), mean over masked positions.
     `negatives="sequence"` (paper): j runs over the *real* tokens of i's sequence (upstream also sums
-    over [PAD]). `negatives="global"`: j also runs over a pool of `num_pool` teacher vectors drawn
-    from the real tokens of all ranks in `group` (a stratified sample, see loss_sampling), minus the
-    pool rows of i's own sequence (they are already among the sequence terms; so the pool never holds
-    i's own position). Cosines and logits are fp32 even for bf16 inputs: at tau = 0.01 bf16 logits
-    would be off by ~1. The teacher never gets a gradient.
+    over [PAD]). `negatives="global"`: j also runs over a pool of `num_pool` teacher vectors drawn from the
+    real tokens of all ranks in `group` (a stratified sample, see pipeline.losses.sampling), minus the pool
+    rows of i's own sequence (they are already among the sequence terms; so the pool never holds i's own
+    position). Cosines and logits are fp32 even for bf16 inputs: at tau = 0.01 bf16 logits would be off
+    by ~1. The teacher never gets a gradient.
 
     In: student_BLD, teacher_BLD [B, L, D]; masked_BL bool [B, L] (a subset of the real tokens);
     attention_mask_BL [B, L], nonzero for real tokens. `generator` (optional) drives the pool draw
@@ -66,20 +66,13 @@ def tacl_loss(
                 temperature=temperature, negatives=negatives, num_pool=num_pool)  # fmt: skip
     real_BL = attention_mask_BL != 0
     if anchor_flat_N is None:  # a direct call: find the anchors (and check them) on the device
-        padded_masks = int((masked_BL & ~real_BL).sum())
-        if padded_masks:
-            raise ValueError(f"tacl_loss: masked_BL marks {padded_masks} padding position(s) (attention_mask 0)")
-        anchor_flat_N = masked_BL.reshape(-1).nonzero().squeeze(1)
-    B, L, D = student_BLD.shape
-    b_N, l_N = anchor_flat_N // L, anchor_flat_N % L
+        anchor_flat_N = _anchors(masked_BL, real_BL=real_BL)
+    l_N = anchor_flat_N % student_BLD.shape[1]  # the positive's column: i's own position
     gathered = 0
 
     s_BLD = F.normalize(student_BLD.float(), dim=-1)
-    t_BLD = F.normalize(teacher_BLD.detach().float(), dim=-1)
-    # [B, L, L] is small (8 MB at B=32, L=256) and one batched GEMM; rows of non-anchors are dropped.
-    scores_BLL = torch.bmm(s_BLD, t_BLD.transpose(1, 2))
-    logits_NL = scores_BLL.reshape(B * L, L).index_select(0, anchor_flat_N) / temperature
-    logit_parts = [logits_NL.masked_fill(~real_BL[b_N], -math.inf)]
+    logit_parts = [_sequence_logits(s_BLD, teacher_BLD, real_BL=real_BL, anchor_flat_N=anchor_flat_N,
+                                    temperature=temperature)]  # fmt: skip
     if negatives == "global":
         if real_flat_T is None:
             real_flat_T = real_BL.reshape(-1).nonzero().squeeze(1)
@@ -108,6 +101,25 @@ def _check_args(student_BLD, *, teacher_BLD, masked_BL, attention_mask_BL, tempe
         raise ValueError(f"tacl_loss: negatives='global' needs num_pool >= 1, got {num_pool}")
     if negatives == "sequence" and num_pool != 0:
         raise ValueError(f"tacl_loss: num_pool={num_pool} only applies to negatives='global'; pass 0")
+
+
+def _anchors(masked_BL: torch.Tensor, *, real_BL: torch.Tensor) -> torch.Tensor:
+    """The flat positions of masked_BL's True entries, ascending; raises if one of them is padding."""
+    padded_masks = int((masked_BL & ~real_BL).sum())
+    if padded_masks:
+        raise ValueError(f"tacl_loss: masked_BL marks {padded_masks} padding position(s) (attention_mask 0)")
+    return masked_BL.reshape(-1).nonzero().squeeze(1)
+
+
+def _sequence_logits(s_BLD, teacher_BLD, *, real_BL, anchor_flat_N, temperature):
+    """[N, L] logits of the anchors against every teacher vector of their own sequence, -inf on padding.
+    s_BLD: the normalised student."""
+    B, L, D = s_BLD.shape
+    t_BLD = F.normalize(teacher_BLD.detach().float(), dim=-1)
+    # [B, L, L] is small (8 MB at B=32, L=256) and one batched GEMM; rows of non-anchors are dropped.
+    scores_BLL = torch.bmm(s_BLD, t_BLD.transpose(1, 2))
+    logits_NL = scores_BLL.reshape(B * L, L).index_select(0, anchor_flat_N) / temperature
+    return logits_NL.masked_fill(~real_BL[anchor_flat_N // L], -math.inf)
 
 
 def _pool_logits(s_BLD, teacher_BLD, *, anchor_flat_N, real_flat_T, num_pool, temperature, generator, group):

@@ -76,46 +76,12 @@ def check_tokenizer_identity(
     `tokenizer_dir` is the tokenizer the job loads; `tokenizer_flag` is --tokenizer as given (None when
     the job defaulted to DATA/tokenizer or --init_from's folder); `init_from` is --init_from.
     """
-    identities: list[tuple[SourceInfo, DataIdentity]] = []
-    for source in data.sources:
-        identity, unknown = _source_identity(source)
-        if identity is None:
-            log.warning(
-                f"tokenizer identity: {unknown}; only vocabulary sizes are compared (rebuild the shards to "
-                f"record a fingerprint)"
-            )
-        else:
-            identities.append((source, identity))
-    problems = []
-    for source, identity in identities[1:]:
-        first_source, first = identities[0]
-        if identity.fingerprint != first.fingerprint:
-            problems.append(
-                f"--data {source.path} and --data {first_source.path} were tokenized with different tokenizers "
-                f"({identity.origin} vs {first.origin}); use one tokenizer for all"
-            )
+    identities = _known_identities(data)
+    problems = _source_mismatches(identities)
     if identities:
-        source, identity = identities[0]
-        sides = [
-            (
-                f"--tokenizer {tokenizer_flag}" if tokenizer_flag else f"the job's tokenizer {tokenizer_dir}",
-                tokenizer_dir,
-            )
-        ]
-        if init_from and has_tokenizer(init_from) and Path(init_from).resolve() != Path(tokenizer_dir).resolve():
-            sides.append((f"--init_from {init_from}'s tokenizer", init_from))
-        for label, folder in sides:
-            mine = read_vocabulary(folder)
-            if mine.fingerprint == identity.fingerprint:
-                continue
-            if identity.folder is not None and identity.folder.fingerprint != mine.fingerprint:
-                where = f"{source.path}/{TOKENIZER_DIR} vs {folder}"
-                diffs = "; ".join(vocabulary_differences(identity.folder, mine))
-            else:
-                where, diffs = "fingerprints", f"{identity.fingerprint[:20]}... vs {mine.fingerprint[:20]}..."
-            problems.append(
-                f"{label} is not the tokenizer the shards were built with ({identity.origin}); {where}: {diffs}"
-            )
+        problems += _tokenizer_mismatches(
+            *identities[0], tokenizer_dir=tokenizer_dir, tokenizer_flag=tokenizer_flag, init_from=init_from
+        )
     if not problems:
         return
     text = "; ".join(problems)
@@ -131,3 +97,65 @@ def check_tokenizer_identity(
         f"tokenizer mismatch: {text}. Train with the shards' tokenizer{own}, rebuild the shards with this one, or "
         f"pass --allow_tokenizer_mismatch to train anyway"
     )
+
+
+def _known_identities(data: DataInfo) -> list[tuple[SourceInfo, DataIdentity]]:
+    """Each source whose vocabulary's identity is known, with it; a warning for every other source."""
+    identities: list[tuple[SourceInfo, DataIdentity]] = []
+    for source in data.sources:
+        identity, unknown = _source_identity(source)
+        if identity is None:
+            log.warning(
+                f"tokenizer identity: {unknown}; only vocabulary sizes are compared (rebuild the shards to "
+                f"record a fingerprint)"
+            )
+        else:
+            identities.append((source, identity))
+    return identities
+
+
+def _source_mismatches(identities: list[tuple[SourceInfo, DataIdentity]]) -> list[str]:
+    """One problem for every source tokenized otherwise than the first."""
+    problems = []
+    for source, identity in identities[1:]:
+        first_source, first = identities[0]
+        if identity.fingerprint != first.fingerprint:
+            problems.append(
+                f"--data {source.path} and --data {first_source.path} were tokenized with different tokenizers "
+                f"({identity.origin} vs {first.origin}); use one tokenizer for all"
+            )
+    return problems
+
+
+def _tokenizer_mismatches(
+    source: SourceInfo,
+    identity: DataIdentity,
+    *,
+    tokenizer_dir: str,
+    tokenizer_flag: Optional[str],
+    init_from: Optional[str],
+) -> list[str]:
+    """One problem for each of the job's tokenizers (the one it loads, and --init_from's own when that is
+    another folder) that is not `source`'s, naming the ids that differ where both folders are at hand."""
+    problems = []
+    sides = [
+        (
+            f"--tokenizer {tokenizer_flag}" if tokenizer_flag else f"the job's tokenizer {tokenizer_dir}",
+            tokenizer_dir,
+        )
+    ]
+    if init_from and has_tokenizer(init_from) and Path(init_from).resolve() != Path(tokenizer_dir).resolve():
+        sides.append((f"--init_from {init_from}'s tokenizer", init_from))
+    for label, folder in sides:
+        mine = read_vocabulary(folder)
+        if mine.fingerprint == identity.fingerprint:
+            continue
+        if identity.folder is not None and identity.folder.fingerprint != mine.fingerprint:
+            where = f"{source.path}/{TOKENIZER_DIR} vs {folder}"
+            diffs = "; ".join(vocabulary_differences(identity.folder, mine))
+        else:
+            where, diffs = "fingerprints", f"{identity.fingerprint[:20]}... vs {mine.fingerprint[:20]}..."
+        problems.append(
+            f"{label} is not the tokenizer the shards were built with ({identity.origin}); {where}: {diffs}"
+        )
+    return problems

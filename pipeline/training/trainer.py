@@ -142,6 +142,33 @@ def setup(prep: Prepared, *, batches: Optional[Any] = None, hooks: Sequence[Loss
     `batches`: an iterable of collated batches to use instead of the streaming loader. `hooks`: loss
     hooks for the step (tests' fault injection; pipeline.training.step)."""
     cfg = prep.cfg
+    program, teacher_print = _build_program(prep, hooks=hooks)
+    engine, device = program.engine, program.device
+    dtype, micro = engine_dtype(engine), engine.train_micro_batch_size_per_gpu()
+    run = Run(
+        prep=prep,
+        program=program,
+        state=TrainState(),
+        teacher_print=teacher_print,
+        loader=_loader(prep, micro=micro, device=device) if batches is None else batches,
+        dtype=dtype,
+        micro=micro,
+        resolved={**cfg.to_dict(), **_record(prep, micro=micro, accum=program.accum, dtype=dtype, device=device)},
+        peak=device_peak_flops(device, dtype=dtype, override_tflops=cfg.run.peak_tflops),
+    )
+    _restore(run)
+    run.evaluator = _evaluator(prep, program) if prep.eval_data is not None else None
+    run.best = checkpoint.best_value(run.save_dir) if cfg.eval.keep_best else None
+    if distributed.is_main():
+        run.save_dir.mkdir(parents=True, exist_ok=True)
+        (run.save_dir / "config.json").write_text(json.dumps(run.resolved, indent=2, default=str) + "\n")
+    return run
+
+
+def _build_program(prep: Prepared, *, hooks: Sequence[LossHook]) -> tuple[StepProgram, Optional[str]]:
+    """Process group, student, teacher and engine: the step's program, and the teacher's fingerprint
+    (None without a teacher)."""
+    cfg = prep.cfg
     objective = objectives.get(cfg.objective.objective)
     gpu = _start_process_group(prep)
     for note in cfg.notes + prep.resume_notes:
@@ -161,7 +188,6 @@ def setup(prep: Prepared, *, batches: Optional[Any] = None, hooks: Sequence[Loss
         check_teacher(teacher, student)
     guard = NonfiniteGuard(device)
     guard.install(engine.module)
-    micro = engine.train_micro_batch_size_per_gpu()
     program = StepProgram(
         engine=engine,
         objective=objective,
@@ -177,37 +203,26 @@ def setup(prep: Prepared, *, batches: Optional[Any] = None, hooks: Sequence[Loss
         trace=cfg.run.trace_samples,
         hooks=tuple(hooks),
     )
-    run = Run(
-        prep=prep,
-        program=program,
-        state=TrainState(),
-        teacher_print=fingerprint(teacher) if teacher is not None else None,
-        loader=_loader(prep, micro=micro, device=device) if batches is None else batches,
-        dtype=dtype,
-        micro=micro,
-        resolved={**cfg.to_dict(), **_record(prep, micro=micro, accum=program.accum, dtype=dtype, device=device)},
-        peak=device_peak_flops(device, dtype=dtype, override_tflops=cfg.run.peak_tflops),
-    )
-    if prep.resume_from is None and cfg.model.continue_from:
-        _start_phase(prep, engine)
+    return program, fingerprint(teacher) if teacher is not None else None
+
+
+def _restore(run: Run) -> None:
+    """A new phase (--continue_from) loads the optimizer state it continues; a resumed run, the latest
+    checkpoint's engine, loader and state."""
+    prep, m = run.prep, run.prep.cfg.model
+    if prep.resume_from is None and m.continue_from:
+        _start_phase(prep, run.engine)
     if prep.resume_from is not None:
-        m = cfg.model
         source = f"--init_from {m.init_from}" if m.init_from else f"--model_config {m.model_config}"
         state.resume(
             run.state,
             prep.resume_from[1],
-            engine=engine,
+            engine=run.engine,
             loader=run.loader,
             teacher_print=run.teacher_print,
             source=source,
         )
     run.state.skipped_at_start = run.state.skipped
-    run.evaluator = _evaluator(prep, program) if prep.eval_data is not None else None
-    run.best = checkpoint.best_value(run.save_dir) if cfg.eval.keep_best else None
-    if distributed.is_main():
-        run.save_dir.mkdir(parents=True, exist_ok=True)
-        (run.save_dir / "config.json").write_text(json.dumps(run.resolved, indent=2, default=str) + "\n")
-    return run
 
 
 def _start_phase(prep: Prepared, engine: Any) -> None:

@@ -15,6 +15,7 @@ plus peak RSS per builder worker on a quarter of the corpus and on all of it (do
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -187,25 +188,7 @@ def train_tokenizer(corpora: list[Path], *, out: Path, sample_mb: float) -> Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = cli.bench_parser(
-        __doc__.split("\n")[0],
-        smoke="~2 MB per language: a smoke run",
-        work_dir="where corpora, tokenizer and builds go",
-        out=True,
-    )
-    p.add_argument("--corpora", type=Path, default=REPO.parent / "shared" / "corpora")
-    p.add_argument("--langs", default="en,zh")
-    p.add_argument("--tokenizer", type=Path, default=None, help="default: train a joint WordPiece here")
-    p.add_argument("--format", default="packed", choices=("packed", "nsp"))
-    p.add_argument("--max_seq_len", type=int, default=BuildConfig.max_seq_len)
-    p.add_argument(
-        "--repeat",
-        type=int,
-        default=1,
-        help="concatenate each language's corpus N times: a larger input, where Ray's and the "
-        "workers' start-up seconds amortise as they do on real corpora",
-    )
-    args = p.parse_args(argv)
+    args = _parse(argv)
     if not args.corpora.is_dir():
         print(f"preprocessing.bench.builder: error: --corpora {args.corpora}: not a directory", file=sys.stderr)
         return 2
@@ -231,40 +214,70 @@ def main(argv: list[str] | None = None) -> int:
         "langs": {},
     }
     for lang, path in files.items():
-        r: dict = {"corpus_mb": round(path.stat().st_size / 1e6, 3)}
-        r["a_raw_tokenizer"] = raw_tokenizer(path, tok_dir)
-        kw = dict(lang=lang, fmt=args.format, max_seq_len=args.max_seq_len)
-        r["d_builder_1_worker"] = builder(path, tok_dir=tok_dir, out=work / f"{lang}_w1", workers=1, **kw)
-        r["b_builder"] = r["d_builder_2_workers"] = builder(
-            path, tok_dir=tok_dir, out=work / f"{lang}_w2", workers=2, **kw
-        )
-        small = prefix_file(path, 0.25)
-        r["rss_quarter_corpus"] = builder(small, tok_dir=tok_dir, out=work / f"{lang}_q", workers=2, **kw)[
-            "peak_rss_mb_per_worker"
-        ]
-        r["c_datasets_map_mdswriter"] = datasets_baseline(
-            path, tok_dir=tok_dir, work=work / lang, max_seq_len=args.max_seq_len
-        )
-        raw = r["a_raw_tokenizer"]["encode_batch"]["mb_per_s"]
-        b, d1 = r["b_builder"], r["d_builder_1_worker"]
-        peak_full = max(b["peak_rss_mb_per_worker"].values())
-        peak_small = max(r["rss_quarter_corpus"].values())
-        r["ratios"] = {
-            "builder_vs_raw (target >= 0.7)": round(b["command_mb_per_s"] / raw, 3),
-            "builder_steady_vs_raw": round(b["steady_mb_per_s"] / raw, 3),
-            "builder_vs_datasets (target >= 2)": round(
-                b["command_mb_per_s"] / r["c_datasets_map_mdswriter"]["command_mb_per_s"], 3
-            ),
-            "2_vs_1_workers (target >= 1.7)": round(b["command_mb_per_s"] / d1["command_mb_per_s"], 3),
-            "2_vs_1_workers_steady": round(b["steady_mb_per_s"] / d1["steady_mb_per_s"], 3),
-            "peak_rss_mb_per_worker (target < 1500)": peak_full,
-            "peak_rss_growth_mb_quarter_to_full (target ~0)": round(peak_full - peak_small, 1),
-        }
-        report["langs"][lang] = r
+        report["langs"][lang] = measure_language(lang, path, tok_dir=tok_dir, work=work, args=args)
     report["load_avg_at_end"] = os.getloadavg()
     report["work_dir"] = str(work)
     cli.emit_json(report, args.out)
     return 0
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = cli.bench_parser(
+        __doc__.split("\n")[0],
+        smoke="~2 MB per language: a smoke run",
+        work_dir="where corpora, tokenizer and builds go",
+        out=True,
+    )
+    p.add_argument("--corpora", type=Path, default=REPO.parent / "shared" / "corpora")
+    p.add_argument("--langs", default="en,zh")
+    p.add_argument("--tokenizer", type=Path, default=None, help="default: train a joint WordPiece here")
+    p.add_argument("--format", default="packed", choices=("packed", "nsp"))
+    p.add_argument("--max_seq_len", type=int, default=BuildConfig.max_seq_len)
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="concatenate each language's corpus N times: a larger input, where Ray's and the "
+        "workers' start-up seconds amortise as they do on real corpora",
+    )
+    return p.parse_args(argv)
+
+
+def measure_language(lang: str, path: Path, *, tok_dir: Path, work: Path, args: argparse.Namespace) -> dict:
+    """(a) to (d) and the peak RSS per worker on one language's corpus `path`, with the ratios."""
+    r: dict = {"corpus_mb": round(path.stat().st_size / 1e6, 3)}
+    r["a_raw_tokenizer"] = raw_tokenizer(path, tok_dir)
+    kw = dict(lang=lang, fmt=args.format, max_seq_len=args.max_seq_len)
+    r["d_builder_1_worker"] = builder(path, tok_dir=tok_dir, out=work / f"{lang}_w1", workers=1, **kw)
+    r["b_builder"] = r["d_builder_2_workers"] = builder(path, tok_dir=tok_dir, out=work / f"{lang}_w2", workers=2, **kw)
+    small = prefix_file(path, 0.25)
+    r["rss_quarter_corpus"] = builder(small, tok_dir=tok_dir, out=work / f"{lang}_q", workers=2, **kw)[
+        "peak_rss_mb_per_worker"
+    ]
+    r["c_datasets_map_mdswriter"] = datasets_baseline(
+        path, tok_dir=tok_dir, work=work / lang, max_seq_len=args.max_seq_len
+    )
+    r["ratios"] = _ratios(r)
+    return r
+
+
+def _ratios(r: dict) -> dict:
+    """One language's figures against the targets."""
+    raw = r["a_raw_tokenizer"]["encode_batch"]["mb_per_s"]
+    b, d1 = r["b_builder"], r["d_builder_1_worker"]
+    peak_full = max(b["peak_rss_mb_per_worker"].values())
+    peak_small = max(r["rss_quarter_corpus"].values())
+    return {
+        "builder_vs_raw (target >= 0.7)": round(b["command_mb_per_s"] / raw, 3),
+        "builder_steady_vs_raw": round(b["steady_mb_per_s"] / raw, 3),
+        "builder_vs_datasets (target >= 2)": round(
+            b["command_mb_per_s"] / r["c_datasets_map_mdswriter"]["command_mb_per_s"], 3
+        ),
+        "2_vs_1_workers (target >= 1.7)": round(b["command_mb_per_s"] / d1["command_mb_per_s"], 3),
+        "2_vs_1_workers_steady": round(b["steady_mb_per_s"] / d1["steady_mb_per_s"], 3),
+        "peak_rss_mb_per_worker (target < 1500)": peak_full,
+        "peak_rss_growth_mb_quarter_to_full (target ~0)": round(peak_full - peak_small, 1),
+    }
 
 
 if __name__ == "__main__":

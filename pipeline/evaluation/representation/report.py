@@ -178,43 +178,25 @@ def analyse_encoder(
     few documents and share their topic.
     """
     encoder.to(device)
-    max_pos = getattr(encoder.config, "max_position_embeddings", None)
-    too_long = [len(s.input_ids) for s in seqs if max_pos is not None and len(s.input_ids) > max_pos]
-    if too_long:
-        raise UsageError(
-            f"{len(too_long)} sequences are longer ({max(too_long)}) than the model's "
-            f"max_position_embeddings ({max_pos}); lower --max_seq_len"
-        )
+    _check_lengths(encoder, seqs=seqs)
     stats: list[analysis.SimilarityStats] = []
     last_chunks: list[torch.Tensor] = []
     gen = torch.Generator().manual_seed(seed)
-    total = sum(sum(1 for s in seq.sentence_ids if s >= 0) for seq in seqs)
-    chosen_N = torch.zeros(total, dtype=torch.bool)
-    chosen_N[torch.randperm(total, generator=gen)[:isotropy_tokens]] = True
+    chosen_N = _isotropy_choice(seqs, isotropy_tokens=isotropy_tokens, generator=gen)
     offset = 0
     for start in range(0, len(seqs), batch_size):
         batch = collate(seqs[start : start + batch_size], pad_id=pad_id)
-        if int(batch["input_ids"].max()) >= encoder.config.vocab_size:
-            raise UsageError(
-                f"token id {int(batch['input_ids'].max())} >= the model's vocab_size "
-                f"{encoder.config.vocab_size}: data and model use different vocabularies"
-            )
-        out = encoder(
-            input_ids=batch["input_ids"].to(device),
-            attention_mask=batch["attention_mask"].to(device),
-            token_type_ids=batch["token_type_ids"].to(device),
-            output_hidden_states=True,
-        )
+        out = _forward(encoder, batch=batch, device=device)
         sentence_BL = batch["sentence"].to(device)
         if not stats:
             stats = [analysis.SimilarityStats() for _ in out.hidden_states]
         for layer_stats, hidden_BLD in zip(stats, out.hidden_states):
             layer_stats.update(hidden_BLD.float(), sentence_BL=sentence_BL)
-        # Boolean indexing walks the batch row by row, the same order as `total` counted the tokens.
+        # Boolean indexing walks the batch row by row, the same order as chosen_N counts the tokens.
         last_nD = out.hidden_states[-1][sentence_BL >= 0].float().cpu()
         last_chunks.append(last_nD[chosen_N[offset : offset + last_nD.shape[0]]])
         offset += last_nD.shape[0]
-    assert offset == total, (offset, total)
+    assert offset == chosen_N.shape[0], (offset, chosen_N.shape[0])
     last_ND = torch.cat(last_chunks)
     return {
         "layers": [{"layer": i, **s.result()} for i, s in enumerate(stats)],
@@ -226,6 +208,44 @@ def analyse_encoder(
             "num_pairs": isotropy_pairs,
         },
     }
+
+
+def _check_lengths(encoder, *, seqs: Sequence[AnalysisSequence]) -> None:
+    """Refuses sequences longer than the model's max_position_embeddings (if it has one)."""
+    max_pos = getattr(encoder.config, "max_position_embeddings", None)
+    too_long = [len(s.input_ids) for s in seqs if max_pos is not None and len(s.input_ids) > max_pos]
+    if too_long:
+        raise UsageError(
+            f"{len(too_long)} sequences are longer ({max(too_long)}) than the model's "
+            f"max_position_embeddings ({max_pos}); lower --max_seq_len"
+        )
+
+
+def _isotropy_choice(
+    seqs: Sequence[AnalysisSequence], *, isotropy_tokens: int, generator: torch.Generator
+) -> torch.Tensor:
+    """chosen_N: bool over all analysed tokens (sentence id >= 0) of `seqs`, in order, True for
+    `isotropy_tokens` of them drawn uniformly with `generator`."""
+    total = sum(sum(1 for s in seq.sentence_ids if s >= 0) for seq in seqs)
+    chosen_N = torch.zeros(total, dtype=torch.bool)
+    chosen_N[torch.randperm(total, generator=generator)[:isotropy_tokens]] = True
+    return chosen_N
+
+
+def _forward(encoder, *, batch: dict[str, torch.Tensor], device: torch.device):
+    """The encoder's output, every layer's hidden states, for one collated batch; refuses token ids past
+    the model's vocabulary."""
+    if int(batch["input_ids"].max()) >= encoder.config.vocab_size:
+        raise UsageError(
+            f"token id {int(batch['input_ids'].max())} >= the model's vocab_size "
+            f"{encoder.config.vocab_size}: data and model use different vocabularies"
+        )
+    return encoder(
+        input_ids=batch["input_ids"].to(device),
+        attention_mask=batch["attention_mask"].to(device),
+        token_type_ids=batch["token_type_ids"].to(device),
+        output_hidden_states=True,
+    )
 
 
 @torch.inference_mode()
