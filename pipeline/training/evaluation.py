@@ -22,6 +22,7 @@ Legend: B sequences, L positions, D hidden size.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -65,22 +66,33 @@ class Evaluator:
     ) -> None:
         self.program = program
         self.special_ids = torch.tensor(sorted(set(collator.spec.special_ids)), dtype=torch.int64)
-        self.sets = [
-            self._load(name, info, collator=collator, vocab_size=vocab_size, samples=samples, run_id=f"{run_id}-{k}")
-            for k, (name, info) in enumerate(sets.items())
-        ]
+        # One dataset over every folder (their samples one folder after the other), so that the run holds
+        # one more streaming dataset whatever the number of folders.
+        every = dataclasses.replace(next(iter(sets.values())), sources=[s for i in sets.values() for s in i.sources])
+        dataset = open_dataset(
+            every, vocab_size=vocab_size, batch_size=_micro(program), shuffle=False, seed=0, run_id=run_id
+        )
+        self.sets, offset = [], 0
+        for name, info in sets.items():
+            self.sets.append(self._load(name, dataset, offset=offset, available=info.samples, collator=collator,
+                                        samples=samples))  # fmt: skip
+            offset += info.samples
         self.samples = sum(s.samples for s in self.sets)
         self.done = 0  # evaluations made by this process
 
-    def _load(
-        self, name: str, info: DataInfo, *, collator: Any, vocab_size: int, samples: int, run_id: str
-    ) -> HeldOutSet:
-        n, micro, batches = self._plan(info.samples, samples=samples, micro=_micro(self.program))
-        dataset = open_dataset(info, vocab_size=vocab_size, batch_size=micro, shuffle=False, seed=0, run_id=run_id)
+    def _load(self, name: str, dataset: Any, *, offset: int, available: int, collator: Any, samples: int) -> HeldOutSet:
+        """The folder whose `available` samples start at `offset` of `dataset`: this rank's share of its
+        first `samples`, collated."""
+        n, micro, batches = self._plan(available, samples=samples, micro=_micro(self.program))
         # This rank's share: consecutive blocks of micro-batches, the same count on every rank.
         first = distributed.rank() * micro * batches
+        # A sample is masked by its place in its own folder (the collator keys its draws by sample_id): a
+        # folder's figures are the same whatever other folders are evaluated beside it.
         collated = [
-            collator([dataset[i] for i in range(first + k * micro, first + (k + 1) * micro)]) for k in range(batches)
+            collator(
+                [{**dataset[offset + i], "sample_id": i} for i in range(first + k * micro, first + (k + 1) * micro)]
+            )
+            for k in range(batches)
         ]
         return HeldOutSet(name=name, samples=n, micro=micro, batches=batches, collated=collated)
 
