@@ -288,8 +288,9 @@ class EvalArgs:
     run trains, so a resumed run may change any of it."""
 
     eval_data: list[str] = cli.knob(
-        help="held-out shard folder (repeatable; default: each --data folder's eval/, which build_shards.py "
-        "--eval_share writes)",
+        help="held-out shard folder, [NAME=]DIR (repeatable; default: each --data folder's eval/, which "
+        "build_shards.py --eval_share writes). With several, eval/... is over all of them and each also has its "
+        "own eval/NAME/... (NAME: as given, else the folder's name)",
         repeat=True,
         default_factory=list,
         math=False,
@@ -297,7 +298,7 @@ class EvalArgs:
     eval_every: int = cli.knob(1000, "evaluate every N steps and at the last step (0: never)", math=False)
     eval_samples: int = cli.knob(
         1024,
-        "held-out samples per evaluation: the first N of --eval_data, the same masked positions each time",
+        "held-out samples per evaluation and --eval_data folder: its first N, the same masked positions each time",
         math=False,
     )
     eval_health_every: int = cli.knob(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import re
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from pipeline.training.tokenizer_identity import check_tokenizer_identity
 from pipeline.training.wandb_sink import check_available as check_report_to
 from preprocessing.errors import UsageError
 from preprocessing.lock import output_lock
-from preprocessing.shard_format import INDEX, vocabulary_of
+from preprocessing.shard_format import EVAL_DIR, INDEX, vocabulary_of
 
 RUN_LOCK = ".train.lock"
 
@@ -51,7 +52,8 @@ class Prepared:
     resume_from: Optional[tuple[int, Path]]
     resume_notes: list[str] = field(default_factory=list)  # allowed setting changes of a resumed run
     identity: dict[str, Any] = field(default_factory=dict)  # what the run trains on, by content (`content_identity`)
-    eval_data: Optional[DataInfo] = None  # the held-out shards (--eval_data), or None: no evaluation
+    # The held-out shard folders by name (--eval_data, `held_out_data`); empty: no evaluation.
+    eval_sets: dict[str, DataInfo] = field(default_factory=dict)
     phase: dict[str, Any] = field(default_factory=dict)  # `phase_record`: which phase of a training this run is
 
 
@@ -100,40 +102,63 @@ def prepare(cfg: TrainConfig) -> Prepared:
         resume_from=resume_from,
         resume_notes=notes,
         identity=identity,
-        eval_data=eval_info,
+        eval_sets=eval_info,
         phase=phase_record(cfg),
     )
 
 
-def held_out_data(cfg: TrainConfig, info: DataInfo, *, cache_root: str, world_size: int) -> Optional[DataInfo]:
-    """The held-out shards the run evaluates on: --eval_data, else each local --data folder's eval/
-    (build_shards.py --eval_share); None when evaluation is off or there is none (said once). They
-    must hold what the training data holds: the same format and vocabulary."""
+def held_out_data(cfg: TrainConfig, info: DataInfo, *, cache_root: str, world_size: int) -> dict[str, DataInfo]:
+    """The held-out shard folders the run evaluates on, by name (`eval_folder_names`): --eval_data, else
+    each local --data folder's eval/ (build_shards.py --eval_share); none when evaluation is off or
+    there is no such folder (said once). Each must hold what the training data holds (the same format
+    and vocabulary) and a sample for every rank."""
     e = cfg.eval
     if not e.eval_every:
-        return None
+        return {}
     paths = list(e.eval_data) or [
-        str(Path(d) / "eval") for d in cfg.data.data if "://" not in d and (Path(d) / "eval" / INDEX).is_file()
+        str(Path(d) / EVAL_DIR) for d in cfg.data.data if "://" not in d and (Path(d) / EVAL_DIR / INDEX).is_file()
     ]
     if not paths:
         log.info(
             "no held-out data (no --eval_data, and no --data folder holds an eval/ split): no evaluation; "
             "build shards with --eval_share to have one"
         )
-        return None
-    held = inspect_data(paths, cache_root=str(Path(cache_root) / "eval"), max_seq_len=info.max_seq_len)
-    where = f"--eval_data {', '.join(paths)}"
-    if held.format != info.format:
-        raise UsageError(f"{where} holds {held.format} shards but --data holds {info.format} shards: use held-out "
-                         f"shards of the training data's format")  # fmt: skip
+        return {}
     train_vocab = {s.manifest.vocab_fingerprint for s in info.sources if s.manifest}
-    held_vocab = {s.manifest.vocab_fingerprint for s in held.sources if s.manifest}
-    if train_vocab and held_vocab and train_vocab != held_vocab:
-        raise UsageError(f"{where} was built with another tokenizer than --data (vocabulary fingerprints differ); "
-                         f"use the held-out split of the same build")  # fmt: skip
-    if held.samples < world_size:
-        raise UsageError(f"{where} holds {held.samples} samples for {world_size} ranks: every rank needs one")
-    return held
+    sets = {}
+    for name, path in eval_folder_names(paths):
+        held = inspect_data([path], cache_root=str(Path(cache_root) / "eval"), max_seq_len=info.max_seq_len)
+        where = f"--eval_data {path}"
+        if held.format != info.format:
+            raise UsageError(f"{where} holds {held.format} shards but --data holds {info.format} shards: use "
+                             f"held-out shards of the training data's format")  # fmt: skip
+        held_vocab = {s.manifest.vocab_fingerprint for s in held.sources if s.manifest}
+        if train_vocab and held_vocab and train_vocab != held_vocab:
+            raise UsageError(f"{where} was built with another tokenizer than --data (vocabulary fingerprints "
+                             f"differ); use the held-out split of the same build")  # fmt: skip
+        if held.samples < world_size:
+            raise UsageError(f"{where} holds {held.samples} samples for {world_size} ranks: every rank needs one")
+        sets[name] = held
+    return sets
+
+
+_EVAL_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def eval_folder_names(values: list[str]) -> list[tuple[str, str]]:
+    """(name, folder) of each --eval_data value, the names of its eval/NAME/... fields: NAME=DIR names
+    its folder; otherwise the folder's own name (a build's eval/ split: the build's name). A name that
+    several folders share is followed by each one's position (1, 2, ...)."""
+    pairs = []
+    for value in values:
+        name, sep, folder = value.partition("=")
+        if sep and folder and _EVAL_NAME.fullmatch(name):
+            pairs.append((name, folder))
+            continue
+        path = Path(value.rstrip("/"))
+        pairs.append((path.parent.name if path.name == EVAL_DIR else path.name, value))
+    taken = [name for name, _ in pairs]
+    return [(f"{n}_{i}" if taken.count(n) > 1 else n, f) for i, (n, f) in enumerate(pairs, 1)]
 
 
 def load_tokenizer(cfg: TrainConfig, info: DataInfo) -> tuple[str, Any]:

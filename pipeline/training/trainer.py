@@ -157,7 +157,7 @@ def setup(prep: Prepared, *, batches: Optional[Any] = None, hooks: Sequence[Loss
         peak=device_peak_flops(device, dtype=dtype, override_tflops=cfg.run.peak_tflops),
     )
     _restore(run)
-    run.evaluator = _evaluator(prep, program) if prep.eval_data is not None else None
+    run.evaluator = _evaluator(prep, program) if prep.eval_sets else None
     run.best = checkpoint.best_value(run.save_dir) if cfg.eval.keep_best else None
     if distributed.is_main():
         run.save_dir.mkdir(parents=True, exist_ok=True)
@@ -242,17 +242,20 @@ def _evaluator(prep: Prepared, program: StepProgram) -> Evaluator:
     e = prep.cfg.eval
     evaluator = Evaluator(
         program,
-        info=prep.eval_data,
+        sets=prep.eval_sets,
         collator=make_collator(prep),
         vocab_size=len(prep.tokenizer),
         samples=e.eval_samples,
         run_id=run_key(prep.cfg.run.save_dir) + "-eval",
     )
-    where = ", ".join(s.remote or s.local for s in prep.eval_data.sources)
-    log.info(
-        f"held-out evaluation every {e.eval_every} steps and at the end: {evaluator.samples} samples of {where} "
-        f"({evaluator.batches} micro-batches of {evaluator.micro} per rank)"
-    )
+    several = len(evaluator.sets) > 1
+    parts = [
+        f"{held.samples} samples of {', '.join(s.remote or s.local for s in prep.eval_sets[held.name].sources)}"
+        + (f" (eval/{held.name}/)" if several else "")
+        + f" ({held.batches} micro-batches of {held.micro} per rank)"
+        for held in evaluator.sets
+    ]
+    log.info(f"held-out evaluation every {e.eval_every} steps and at the end: {'; '.join(parts)}")
     return evaluator
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from pipeline.training.config import ObjectiveArgs
 from pipeline.training.evaluation import Evaluator
 from pipeline.training.metrics import FlopsModel
 from pipeline.training.nonfinite import NonfiniteGuard
+from pipeline.training.preflight import eval_folder_names
 from pipeline.training.step import StepProgram
 from tests.support.trainer import explain, free_port, read_metrics, run_deepspeed, shard_sets, train_args
 
@@ -39,8 +41,9 @@ def shards(tmp_path_factory) -> dict[str, Path]:
     return shard_sets(tmp_path_factory)
 
 
-def evaluator(data: Path, objective: str, tmp_path: Path) -> tuple[Evaluator, Student]:
-    """An evaluator over DATA/eval in this process (a world of one), the student a tiny BERT."""
+def evaluator(data: Path, objective: str, tmp_path: Path, *, sets: Optional[dict[str, Path]] = None):
+    """An evaluator over DATA/eval (or the named folders `sets`) in this process (a world of one), and
+    its student, a tiny BERT (the same weights at every call)."""
     from transformers import AutoTokenizer, BertForPreTraining
 
     from pipeline.data.collator import MaskingCollator
@@ -61,14 +64,18 @@ def evaluator(data: Path, objective: str, tmp_path: Path) -> tuple[Evaluator, St
     )  # fmt: skip
     spec = MaskingSpec(mask_token_id=tok.mask_token_id, special_ids=tuple(tok.all_special_ids), vocab_size=len(tok))
     collator = MaskingCollator(spec=spec, pad_id=tok.pad_token_id, seed=0, nsp=program.nsp, max_seq_len=64)
-    info = inspect_data([str(data / "eval")], cache_root=str(tmp_path / "cache"))
-    ev = Evaluator(program, info=info, collator=collator, vocab_size=len(tok), samples=10, run_id=tmp_path.name)
+    infos = {
+        name: inspect_data([str(folder)], cache_root=str(tmp_path / "cache" / name))
+        for name, folder in (sets or {"eval": data / "eval"}).items()
+    }
+    ev = Evaluator(program, sets=infos, collator=collator, vocab_size=len(tok), samples=10, run_id=tmp_path.name)
     return ev, student
 
 
 def test_an_evaluation_repeats_itself_and_equals_a_direct_computation(shards, tmp_path):
     ev, student = evaluator(shards["nsp48_eval"], "tacl", tmp_path)
-    assert (ev.samples, ev.micro, ev.batches) == (8, 4, 2)  # whole micro-batches of the first 10
+    (held,) = ev.sets
+    assert (held.samples, held.micro, held.batches) == (8, 4, 2)  # whole micro-batches of the first 10
     first, again = ev(health=True), ev(health=False)
     for key in ("eval/mlm_loss", "eval/mlm_acc", "eval/nsp_loss", "eval/nsp_acc", "eval/tacl_loss", "eval/tacl_acc"):
         assert again[key] == first[key], key  # the same masked positions and draws every time
@@ -77,7 +84,7 @@ def test_an_evaluation_repeats_itself_and_equals_a_direct_computation(shards, tm
     # The reference: HF's own heads on the padded batch, cross-entropy at the masked positions.
     net, losses, hits, masked = student.net.eval(), 0.0, 0, 0
     with torch.no_grad():
-        for batch in ev.collated:
+        for batch in held.collated:
             from pipeline.data.collator import grid_inputs
 
             grid = grid_inputs({**batch, "original_ids": batch["input_ids"]})
@@ -88,6 +95,43 @@ def test_an_evaluation_repeats_itself_and_equals_a_direct_computation(shards, tm
             masked += len(labels)
     assert first["eval/mlm_loss"] == pytest.approx(losses / masked, rel=1e-5)
     assert first["eval/mlm_acc"] == pytest.approx(hits / masked, abs=1e-9)
+    assert first["eval/masked"] == masked and first["eval/samples"] == 8
+    assert not [k for k in first if k.count("/") > 1]  # one folder: no eval/NAME/ fields
+
+
+def test_each_folder_is_evaluated_on_its_own_and_all_of_them_together(shards, tmp_path):
+    """Two --eval_data folders: each one's eval/NAME/ fields are what evaluating it alone gives (its
+    own first samples, masks and draws), and eval/ is over both, weighted by masked positions."""
+    folders = {"held": shards["nsp48_eval"] / "eval", "train": shards["nsp48"]}
+    both = evaluator(shards["nsp48_eval"], "tacl", tmp_path / "both", sets=folders)[0](health=True)
+    alone = {
+        n: evaluator(shards["nsp48_eval"], "tacl", tmp_path / n, sets={n: f})[0](health=True)
+        for n, f in folders.items()
+    }
+    for name, fields in alone.items():
+        for key, value in fields.items():
+            if key != "eval/time_s":
+                assert both[key.replace("eval/", f"eval/{name}/")] == pytest.approx(value, rel=1e-12), (name, key)
+    held, train = alone["held"], alone["train"]
+    assert both["eval/masked"] == held["eval/masked"] + train["eval/masked"]
+    assert both["eval/samples"] == held["eval/samples"] + train["eval/samples"] == 16
+    for key in ("eval/mlm_loss", "eval/mlm_acc"):
+        weighted = held[key] * held["eval/masked"] + train[key] * train["eval/masked"]
+        assert both[key] == pytest.approx(weighted / both["eval/masked"], rel=1e-12), key
+    assert both["eval/tacl_loss"] == pytest.approx((held["eval/tacl_loss"] + train["eval/tacl_loss"]) / 2, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "values, named",
+    [
+        (["en=a/x", "zh=b/x"], [("en", "a/x"), ("zh", "b/x")]),
+        (["data/wiki/eval", "data/books/eval"], [("wiki", "data/wiki/eval"), ("books", "data/books/eval")]),
+        (["a/mds", "b/mds/", "c/other"], [("mds_1", "a/mds"), ("mds_2", "b/mds/"), ("other", "c/other")]),
+        (["dir/a=b", "s3://bucket/x"], [("a=b", "dir/a=b"), ("x", "s3://bucket/x")]),
+    ],
+)
+def test_eval_folders_are_named_as_given_or_by_their_folder(values, named):
+    assert eval_folder_names(values) == named
 
 
 def test_the_trainer_evaluates_logs_and_keeps_the_best_checkpoint(shards, tmp_path):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.evaluation.downstream.tasks import CLASSIFY, TaskSpec
-from pipeline.experiments.mini.settings import CONFIGS, REPO, MiniConfig
+from pipeline.experiments.mini.settings import CONFIGS, HELDOUT_SAMPLES, REPO, MiniConfig
 from pipeline.experiments.mini.stages import Stage, run_logged
 
 
@@ -20,14 +20,17 @@ def _script(*parts: str) -> str:
     return str(REPO.joinpath(*parts))
 
 
-def build_shards(cfg: MiniConfig, stage: Stage, *, text: Path, tokenizer: Path, fmt: str, lang: str, env: dict) -> dict:
-    """One builder run (Ray on this machine) into stage.dir/mds, then checked (and its counts read) as
-    the trainer will read it (pipeline.data.shards.inspect_data)."""
+def build_shards(
+    cfg: MiniConfig, stage: Stage, *, text: Path, tokenizer: Path, fmt: str, lang: str, env: dict, split: str = "train"
+) -> dict:
+    """One builder run (Ray on this machine) on TEXT/SPLIT_LANG.txt (the pre-training text, or the
+    held-out documents) into stage.dir/mds, then checked (and its counts read) as the trainer will read
+    it (pipeline.data.shards.inspect_data)."""
     from pipeline.data.shards import inspect_data
 
     cmd = [
         sys.executable, _script("preprocessing", "build_shards.py"),
-        "--input", f"{lang}:{text / f'train_{lang}.txt'}",
+        "--input", f"{lang}:{text / f'{split}_{lang}.txt'}",
         "--output", str(stage.dir / "mds"),
         "--tokenizer", str(tokenizer),
         "--format", fmt,
@@ -57,13 +60,16 @@ def train(
     *,
     arm: str,
     data: list[Path],
+    heldout: dict[str, Path],
     steps: int,
     save_every: int,
     env: dict,
     init_from: Optional[Path] = None,
 ) -> dict:
     """One pre-training run of `arm` into stage.dir/run, its final student exported to stage.dir/export:
-    the arm's --config file and the DeepSpeed config, plus what varies per run."""
+    the arm's --config file and the DeepSpeed config, plus what varies per run. At every checkpoint the
+    trainer evaluates the first HELDOUT_SAMPLES samples of each language's held-out shards (`heldout`:
+    language -> folder), logged as eval/LANG/... in RUN/metrics.jsonl (read by `heldout_figures`)."""
     source = ["--init_from", str(init_from)] if init_from else ["--model_config", cfg.model_config()]
     # torchrun --standalone: one process, a free rendezvous port, the environment the trainer expects.
     cmd = [
@@ -81,9 +87,25 @@ def train(
         "--keep_checkpoints", str(steps // save_every + 1),
         "--save_dir", str(stage.dir / "run"),
         "--export_dir", str(stage.dir / "export"),
+        *[x for lang, folder in heldout.items() for x in ("--eval_data", f"{lang}={folder}")],
+        "--eval_every", str(save_every),
+        "--eval_samples", str(HELDOUT_SAMPLES),
+        "--eval_health_every", "0",  # the representation analysis is analyze.py's, on the exported models
     ]  # fmt: skip
     run_logged(cmd, log=stage.log, env=env)
-    return summarise_run(stage.dir / "run")
+    return {**summarise_run(stage.dir / "run"), "heldout": heldout_figures(stage.dir / "run", langs=list(heldout))}
+
+
+def heldout_figures(run: Path, *, langs: list[str]) -> dict[str, dict]:
+    """{step: {lang: {accuracy, cross_entropy, masked, samples}}}: the trainer's held-out evaluation of
+    each language (eval/LANG/mlm_acc, mlm_loss, masked, samples) at every step it evaluated."""
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    fields = {"accuracy": "mlm_acc", "cross_entropy": "mlm_loss", "masked": "masked", "samples": "samples"}
+    return {
+        str(r["step"]): {lang: {k: r[f"eval/{lang}/{f}"] for k, f in fields.items()} for lang in langs}
+        for r in rows
+        if f"eval/{langs[0]}/mlm_loss" in r
+    }
 
 
 def summarise_run(run: Path) -> dict:

@@ -4,7 +4,8 @@
 2. the start model: MLM from scratch on packed shards, checkpoints at 1/N .. N/N of its steps;
 3. TACO (MLM + TC) from scratch, same architecture, data, seed, steps and checkpoints;
 4. TaCL: from the start, MLM + NSP alone and MLM + NSP + TaCL (the start as frozen teacher) on NSP shards;
-5. held-out MLM accuracy and the representation analysis of every model and checkpoint;
+5. held-out MLM accuracy and cross-entropy of every model and checkpoint (the runs' own evaluation,
+   beside the context-free reference on its positions) and the representation analysis;
 6. fine-tuning of every model on every task with every seed; a reference row (a real pre-trained
    encoder on SST-2);
 7. the report (report.py).
@@ -27,7 +28,7 @@ from typing import Optional
 from pipeline.evaluation.downstream.tasks import TAGGING_TASKS, TaskSpec
 from pipeline.experiments.mini import commands as C
 from pipeline.experiments.mini import data as D
-from pipeline.experiments.mini.settings import ARMS, MiniConfig
+from pipeline.experiments.mini.settings import ARMS, HELDOUT_SAMPLES, MiniConfig
 from pipeline.experiments.mini.stages import Stage, run_stage, run_stages
 from preprocessing import cli
 
@@ -75,6 +76,17 @@ class Experiment:
     def shards(self, fmt: str) -> list[Path]:
         return [self.cfg.out / "shards" / f"{fmt}_{lang}" / "mds" for lang in D.LANGS]
 
+    def heldout_shards(self, fmt: str) -> dict[str, Path]:
+        """Each language's held-out documents as shards of `fmt`: what the runs evaluate on."""
+        return {lang: self.cfg.out / "shards" / f"heldout_{fmt}_{lang}" / "mds" for lang in D.LANGS}
+
+
+# The shard format each arm trains and evaluates on.
+FORMATS = {"mlm": "packed", "taco": "packed", "cont_mlm": "nsp", "cont_tacl": "nsp"}
+# What the held-out MLM figures are (a stage made another way is redone): the runs' own evaluation of
+# HELDOUT_SAMPLES samples per language, and the context-free reference on its positions (heldout.py).
+HELDOUT = {"figures": "trainer evaluation", "samples": HELDOUT_SAMPLES, "reference": "context-free"}
+
 
 def arm_settings() -> dict[str, dict]:
     """Each arm's train.py --config file, as the trainer reads it (a changed file reruns its runs)."""
@@ -95,10 +107,7 @@ def reproduce(cfg: MiniConfig, *, say=print) -> dict:
     runs.update(continue_from_start(x))
     models = models_compared(x, runs)
     analysis = x.stage(
-        "analysis",
-        # heldout: what the held-out MLM measure holds; an analysis stage from before cross-entropy reruns.
-        x.settings("text", "pretrain", "analysis", heldout=["accuracy", "cross_entropy", "unigram"]),
-        lambda st: analyse(x, st, models),
+        "analysis", x.settings("text", "pretrain", "analysis", heldout=HELDOUT), lambda st: analyse(x, st, models, runs)
     )
     downstream = finetune_all(x, models)
     return report.write_report(
@@ -108,19 +117,22 @@ def reproduce(cfg: MiniConfig, *, say=print) -> dict:
 
 
 def prepare_data(x: Experiment) -> dict:
-    """1. Text, vocabulary, shards (packed only with --start_only); returns the text counts."""
+    """1. Text, vocabulary, shards of the pre-training text and of the held-out documents (packed only
+    with --start_only); returns the text counts."""
     cfg, out = x.cfg, x.cfg.out
     text = x.stage("data", x.settings("text"), lambda st: D.prepare_text(cfg, st))
     x.stage("tokenizer", x.settings("text"), lambda st: D.train_tokenizer(cfg, st, out / "data"))
     for fmt in ("packed",) if cfg.run.start_only else ("packed", "nsp"):
-        for lang in D.LANGS:
-            x.stage(
-                f"shards/{fmt}_{lang}",
-                x.settings("text", format=fmt, lang=lang),
-                lambda st, fmt=fmt, lang=lang: C.build_shards(
-                    cfg, st, text=out / "data", tokenizer=out / "tokenizer", fmt=fmt, lang=lang, env=x.env
-                ),
-            )
+        for split, prefix in (("train", ""), ("heldout", "heldout_")):
+            for lang in D.LANGS:
+                x.stage(
+                    f"shards/{prefix}{fmt}_{lang}",
+                    x.settings("text", format=fmt, lang=lang, **({"split": split} if prefix else {})),
+                    lambda st, fmt=fmt, lang=lang, split=split: C.build_shards(
+                        cfg, st, text=out / "data", tokenizer=out / "tokenizer", fmt=fmt, lang=lang, env=x.env,
+                        split=split,
+                    ),
+                )  # fmt: skip
     return text
 
 
@@ -132,13 +144,13 @@ def pretrain_from_scratch(x: Experiment) -> dict[str, dict]:
 
     def scratch(st: Stage, arm: str) -> dict:
         summary = C.train(
-            cfg, st, arm=arm, data=x.shards("packed"), steps=cfg.pretrain.start_steps,
-            save_every=cfg.save_every(), env=x.env,
+            cfg, st, arm=arm, data=x.shards("packed"), heldout=x.heldout_shards("packed"),
+            steps=cfg.pretrain.start_steps, save_every=cfg.save_every(), env=x.env,
         )  # fmt: skip
         exported = C.export_checkpoints(st, steps)
         return {**summary, "checkpoints": {str(k): str(v) for k, v in exported.items()}}
 
-    settings = x.settings("text", "pretrain", steps=cfg.pretrain.start_steps, curve=steps)
+    settings = x.settings("text", "pretrain", steps=cfg.pretrain.start_steps, curve=steps, heldout=HELDOUT)
     arms = ("mlm",) if cfg.run.start_only else ("mlm", "taco")
     return {
         arm: x.stage(f"runs/{arm}", {**settings, "objective": arm}, lambda st, a=arm: scratch(st, a)) for arm in arms
@@ -149,15 +161,16 @@ def continue_from_start(x: Experiment) -> dict[str, dict]:
     """4. TaCL's two arms from the start model, on NSP shards (NSP on in both, as in the paper)."""
     cfg = x.cfg
     start = cfg.out / "runs" / "mlm" / "export"
-    settings = x.settings("text", "pretrain", steps=cfg.pretrain.start_steps, curve=cfg.curve_steps())
+    settings = x.settings("text", "pretrain", steps=cfg.pretrain.start_steps, curve=cfg.curve_steps(), heldout=HELDOUT)
     runs = {}
     for arm in ("cont_mlm", "cont_tacl"):
         runs[arm] = x.stage(
             f"runs/{arm}",
             {**settings, "continue_steps": cfg.pretrain.continue_steps, "objective": arm},
             lambda st, arm=arm: C.train(
-                cfg, st, arm=arm, data=x.shards("nsp"), steps=cfg.pretrain.continue_steps,
-                save_every=cfg.pretrain.continue_steps, env=x.env, init_from=start,
+                cfg, st, arm=arm, data=x.shards("nsp"), heldout=x.heldout_shards("nsp"),
+                steps=cfg.pretrain.continue_steps, save_every=cfg.pretrain.continue_steps, env=x.env,
+                init_from=start,
             ),
         )  # fmt: skip
     return runs
@@ -175,11 +188,10 @@ def score_start(x: Experiment, *, text: dict, run: dict) -> dict:
     """--start_only: the start's held-out MLM scores at every checkpoint, and OUT/START.md."""
     from pipeline.experiments.mini import report
 
-    checkpoints = {step: Path(path) for step, path in run["checkpoints"].items()}
     floor = x.stage(
         "start_floor",
-        x.settings("text", "pretrain", heldout=["accuracy", "cross_entropy", "unigram"]),
-        lambda st: {"heldout_mlm": heldout(x, checkpoints)},
+        x.settings("text", "pretrain", heldout=HELDOUT),
+        lambda st: {"heldout_mlm": heldout_mlm(x, st, "mlm", run, unigrams=unigrams(x))},
     )
     return report.write_start_report(
         x.cfg, arms=arm_settings(), text=text, run=run, heldout=floor["heldout_mlm"], timings=x.timings,
@@ -187,17 +199,47 @@ def score_start(x: Experiment, *, text: dict, run: dict) -> dict:
     )  # fmt: skip
 
 
-def heldout(x: Experiment, models: dict) -> dict:
-    from pipeline.experiments.mini.heldout import heldout_scores
+def unigrams(x: Experiment) -> tuple:
+    """(the joint tokenizer, {lang: logp_V}): each language's unigram of its pre-training text (heldout.py)."""
+    from transformers import AutoTokenizer
 
-    return heldout_scores(models, data=x.cfg.out / "data", max_seq_len=x.cfg.text.max_seq_len, seed=x.cfg.text.seed)
+    from pipeline.experiments.mini.heldout import unigram_log_probs
+
+    tokenizer = AutoTokenizer.from_pretrained(x.cfg.out / "tokenizer")
+    return tokenizer, {lang: unigram_log_probs(tokenizer, x.cfg.out / "data" / f"train_{lang}.txt") for lang in D.LANGS}
 
 
-def analyse(x: Experiment, st: Stage, models: dict[str, Path]) -> dict:
-    """5. Held-out MLM accuracy per model and language (heldout.py); analyze.py on held-out sentences of
-    both languages, with its report and figures in OUT/analysis/."""
+def heldout_mlm(x: Experiment, st: Stage, arm: str, run: dict, *, unigrams: tuple) -> dict[str, dict]:
+    """{step: {lang: {accuracy, cross_entropy, masked, samples, floor, unigram_cross_entropy}}}: the run's
+    own held-out evaluation at every step it evaluated (commands.heldout_figures), beside the context-free
+    reference on the same positions (heldout.py). `unigrams`: what `unigrams` returns."""
+    from pipeline.experiments.mini.heldout import reference
+
+    (tokenizer, logp), figures = unigrams, run["heldout"]
+    last = figures[max(figures, key=int)]
+    refs = {}
+    for lang, shards in x.heldout_shards(FORMATS[arm]).items():
+        refs[lang] = reference(
+            shards, run=x.cfg.out / "runs" / arm / "run", samples=last[lang]["samples"], logp_V=logp[lang],
+            tokenizer=tokenizer, cache=st.dir / "cache" / f"{arm}_{lang}",
+        )  # fmt: skip
+        # The reference is on the positions the run evaluated: as many, from the same masking.
+        assert refs[lang]["masked"] == last[lang]["masked"], (arm, lang, refs[lang], last[lang])
+    return {step: {lang: {**f, **refs[lang]} for lang, f in by_lang.items()} for step, by_lang in figures.items()}
+
+
+def analyse(x: Experiment, st: Stage, models: dict[str, Path], runs: dict[str, dict]) -> dict:
+    """5. Held-out MLM accuracy and cross-entropy per model and language (`heldout_mlm`: each run's own
+    evaluation at the model's step); analyze.py on held-out sentences of both languages, with its report
+    and figures in OUT/analysis/."""
     rep = C.analyze(x.cfg, st, models, text=x.cfg.out / "data" / "analysis.txt", env=x.env)
-    return {"heldout_mlm": heldout(x, models), **rep}
+    unigram = unigrams(x)
+    scores = {arm: heldout_mlm(x, st, arm, run, unigrams=unigram) for arm, run in runs.items()}
+    steps = x.cfg.curve_steps()
+    held = {f"{arm}@{s}": scores[arm][str(s)] for arm in ("mlm", "taco") for s in steps}
+    held.update({arm: scores[arm][str(x.cfg.pretrain.continue_steps)] for arm in ("cont_mlm", "cont_tacl")})
+    assert list(held) == list(models), (list(held), list(models))
+    return {"heldout_mlm": held, **rep}
 
 
 def finetune_all(x: Experiment, models: dict[str, Path]) -> dict[str, dict]:

@@ -1,128 +1,110 @@
-"""Held-out masked-LM accuracy and cross-entropy: how far a model's MLM has left the floor.
+"""What the trainer's held-out evaluation does not measure: the context-free reference on its positions.
 
-Blocks of max_seq_len tokens ([CLS] ... [SEP]) from held-out documents, 15% of the inner tokens
-masked (all by [MASK], no random/kept tokens: the evaluation convention), the same positions for every
-model (a fixed generator). The floor is what always predicting the held-out text's most frequent token
-scores on the same positions.
+Every pre-training run evaluates itself (pipeline.training.evaluation, `--eval_data en=... zh=...`):
+masked-LM accuracy and cross-entropy on the first samples of each language's held-out shards, at
+every checkpoint, with the run's masking (15% of the tokens; of those 80% [MASK], 10% a random token,
+10% kept), the same positions at every evaluation. Whether a model has left the floor needs what a model
+that uses no context at all would score on those same positions. That model knows the pre-training
+text's token frequencies (a unigram, add-half smoothed) and the masking rule: at [MASK] it gives the
+unigram; at a token x shown at a predicted position (kept, or a random replacement) it gives
+P(g | x) = u(g) ([g = x] + 1/R) / (u(x) + 1/R), u the unigram over the R tokens a replacement is drawn
+from (kept and replaced are equally likely). Its top-1 accuracy is the floor, its cross-entropy the
+reference: above the floor and below the reference, a model takes something from context.
 
-Accuracy is coarse early in pre-training: a model can take something from context and still rank the
-most frequent token first everywhere. So the same positions also get the model's cross-entropy and that
-of a unigram model of the pre-training text (its token frequencies): below the unigram, the model uses
-context; at it, it has learned token frequencies only.
+The positions are the trainer's: the held-out shards read and masked as its evaluator does them (the
+product's reader and masking collator, the run's seed and masking settings from RUN/config.json).
 
-Shape legend: N blocks, L tokens, V vocabulary.
+Shape legend: N masked positions, V vocabulary.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import shutil
 from pathlib import Path
 
 import torch
 
-from pipeline.experiments.mini.data import LANGS, read_documents
-
-MASK_SHARE = 0.15
-
-
-def _token_ids(tokenizer, path: Path) -> list[int]:
-    ids: list[int] = []
-    for doc in read_documents(path):
-        ids += tokenizer(" ".join(doc), add_special_tokens=False)["input_ids"]
-    return ids
-
-
-def heldout_blocks(tokenizer, path: Path, *, max_seq_len: int, max_blocks: int) -> torch.Tensor:
-    """ids_NL: the held-out file's documents, tokenised and cut into full blocks."""
-    ids = _token_ids(tokenizer, path)
-    inner = max_seq_len - 2
-    n = min(max_blocks, len(ids) // inner)
-    if n == 0:
-        raise ValueError(f"{path}: fewer than {inner} tokens of held-out text")
-    body_NL = torch.tensor(ids[: n * inner]).view(n, inner)
-    cls = torch.full((n, 1), tokenizer.cls_token_id)
-    sep = torch.full((n, 1), tokenizer.sep_token_id)
-    return torch.cat([cls, body_NL, sep], dim=1)
-
-
-def mask_positions(ids_NL: torch.Tensor, *, seed: int) -> torch.Tensor:
-    """bool_NL: MASK_SHARE of the inner positions (never [CLS]/[SEP]), drawn by a fixed generator."""
-    g = torch.Generator().manual_seed(seed)
-    draw_NL = torch.rand(ids_NL.shape, generator=g)
-    draw_NL[:, 0] = draw_NL[:, -1] = 2.0
-    return draw_NL < MASK_SHARE
+from pipeline.experiments.mini.data import read_documents
 
 
 def unigram_log_probs(tokenizer, path: Path) -> torch.Tensor:
     """logp_V: token frequencies of a (pre-training) text file, add-half smoothed so that a token the
     text never has costs a finite amount."""
-    counts_V = torch.bincount(torch.tensor(_token_ids(tokenizer, path), dtype=torch.long), minlength=len(tokenizer))
+    ids: list[int] = []
+    for doc in read_documents(path):
+        ids += tokenizer(" ".join(doc), add_special_tokens=False)["input_ids"]
+    counts_V = torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=len(tokenizer))
     probs_V = (counts_V.double() + 0.5) / (counts_V.sum() + 0.5 * len(counts_V))
     return probs_V.log()
 
 
-@dataclass
-class HeldOut:
-    """One language's held-out positions and what does not depend on the model scored on them."""
+def masking_collator(tokenizer, run: Path):
+    """The masking collator of the run's evaluation: its tokenizer's specials, the run's seed and masking
+    settings (RUN/config.json), as the trainer builds it (the masked positions do not depend on the
+    layout, NSP labels or document cuts, so those are left at their defaults)."""
+    from pipeline.data.collator import MaskingCollator
+    from pipeline.data.masking import MaskingSpec
 
-    ids_NL: torch.Tensor
-    masked_NL: torch.Tensor
-    inputs_NL: torch.Tensor  # ids_NL with [MASK] at masked_NL
-    floor: float
-    unigram_cross_entropy: float
-
-
-def prepare(tokenizer, heldout: Path, train: Path, *, max_seq_len: int, max_blocks: int = 64, seed: int = 0) -> HeldOut:
-    """The held-out blocks and masked positions (module doc), the floor, and the cross-entropy there of
-    a unigram model of the pre-training text `train`. Every model shares the tokenizer, so this is done
-    once per language, not once per model."""
-    ids_NL = heldout_blocks(tokenizer, heldout, max_seq_len=max_seq_len, max_blocks=max_blocks)
-    masked_NL = mask_positions(ids_NL, seed=seed)
-    gold = ids_NL[masked_NL]
-    most_frequent = int(torch.bincount(ids_NL[:, 1:-1].reshape(-1)).argmax())
-    return HeldOut(
-        ids_NL=ids_NL,
-        masked_NL=masked_NL,
-        inputs_NL=ids_NL.masked_fill(masked_NL, tokenizer.mask_token_id),
-        floor=float((gold == most_frequent).float().mean()),
-        unigram_cross_entropy=float(-unigram_log_probs(tokenizer, train)[gold].mean()),
+    cfg = json.loads((run / "config.json").read_text())
+    spec = MaskingSpec(
+        mask_token_id=tokenizer.mask_token_id,
+        special_ids=tuple(sorted(set(tokenizer.all_special_ids))),
+        vocab_size=len(tokenizer),
+        mask_prob=cfg["data"]["mask_prob"],
+        whole_word=cfg["data"]["whole_word_masking"],
+    )
+    return MaskingCollator(
+        spec=spec, pad_id=tokenizer.pad_token_id, seed=cfg["run"]["seed"], nsp=False, max_seq_len=None
     )
 
 
-@torch.no_grad()
-def mlm_accuracy(model_dir: Path, held: HeldOut) -> dict:
-    """{accuracy, floor, masked, cross_entropy, unigram_cross_entropy}: the model's top-1 accuracy and
-    mean cross-entropy (nats) at the held-out masked positions, beside the floor and the unigram's."""
-    from transformers import AutoModelForMaskedLM
+def evaluated_positions(shards: Path, *, collator, samples: int, cache: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gold_N, shown_N): the original token and what the model was shown at every masked position of
+    the first `samples` samples of a held-out shard folder, masked by `collator`."""
+    from pipeline.data.loader import open_dataset
+    from pipeline.data.shards import inspect_data
 
-    model = AutoModelForMaskedLM.from_pretrained(model_dir).eval()
-    correct, nll = 0, 0.0
-    for start in range(0, len(held.ids_NL), 16):
-        logits_BLV = model(input_ids=held.inputs_NL[start : start + 16]).logits
-        m_BL = held.masked_NL[start : start + 16]
-        logits_MV, gold_M = logits_BLV[m_BL].float(), held.ids_NL[start : start + 16][m_BL]
-        correct += int((logits_MV.argmax(-1) == gold_M).sum())
-        nll += float(torch.nn.functional.cross_entropy(logits_MV, gold_M, reduction="sum"))
-    masked = int(held.masked_NL.sum())
+    info = inspect_data([str(shards)], cache_root=str(cache))
+    vocab = collator.spec.vocab_size
+    dataset = open_dataset(info, vocab_size=vocab, batch_size=samples, shuffle=False, seed=0, run_id=cache.name)
+    return masked_tokens(collator([dataset[i] for i in range(samples)]))
+
+
+def masked_tokens(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gold_N, shown_N) of a collated batch, in the order of its masked positions (whatever its layout,
+    and with or without documents cut out of packed blocks)."""
+    # The model's rows ([B, L] or the unpadded stream), indexed by the masked tokens' rows.
+    return batch["mlm_labels"], batch["input_ids"].reshape(-1)[batch["masked_index"]]
+
+
+def context_free(gold_N: torch.Tensor, shown_N: torch.Tensor, *, logp_V: torch.Tensor, spec) -> dict:
+    """{floor, unigram_cross_entropy, masked}: the top-1 accuracy and the cross-entropy (nats) of the
+    context-free model (module doc) at these positions. `spec`: the masking's MaskingSpec."""
+    pool = torch.from_numpy(spec.replacement_pool())
+    u_V = torch.zeros_like(logp_V)
+    u_V[pool] = logp_V[pool].exp()
+    u_V /= u_V.sum()  # a gold token is never special: the unigram over the tokens masking can choose
+    r = 1.0 / len(pool)
+    at_mask_N = shown_N == spec.mask_token_id
+    same_N = (gold_N == shown_N).double()
+    p_N = torch.where(at_mask_N, u_V[gold_N], u_V[gold_N] * (same_N + r) / (u_V[shown_N] + r))
+    top = int(u_V.argmax())
+    # Shown x: x itself (u(x)(1 + r)) unless the most frequent token's u_top * r beats it.
+    copy_N = u_V[shown_N] * (1 + r) >= u_V[top] * r
+    guess_N = torch.where(at_mask_N | ~copy_N, torch.full_like(gold_N, top), shown_N)
     return {
-        "accuracy": correct / masked,
-        "floor": held.floor,
-        "masked": masked,
-        "cross_entropy": nll / masked,
-        "unigram_cross_entropy": held.unigram_cross_entropy,
+        "floor": float((guess_N == gold_N).double().mean()),
+        "unigram_cross_entropy": float(-p_N.log().mean()),
+        "masked": len(gold_N),
     }
 
 
-def heldout_scores(models: dict[str, Path], *, data: Path, max_seq_len: int, seed: int) -> dict:
-    """{label: {lang: mlm_accuracy(...)}}: every model's held-out MLM accuracy and cross-entropy, on the
-    same blocks and positions per language (data/heldout_LANG.txt; the unigram of data/train_LANG.txt)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(next(iter(models.values())))  # one joint vocabulary for all
-    held = {
-        lang: prepare(
-            tokenizer, data / f"heldout_{lang}.txt", data / f"train_{lang}.txt", max_seq_len=max_seq_len, seed=seed
-        )
-        for lang in LANGS
-    }
-    return {label: {lang: mlm_accuracy(path, held[lang]) for lang in LANGS} for label, path in models.items()}
+def reference(shards: Path, *, run: Path, samples: int, logp_V: torch.Tensor, tokenizer, cache: Path) -> dict:
+    """context_free(...) on the positions `run` evaluated on (the first `samples` samples of `shards`)."""
+    collator = masking_collator(tokenizer, run)
+    try:
+        gold_N, shown_N = evaluated_positions(shards, collator=collator, samples=samples, cache=cache)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)  # the decompressed copy of the shards, read once
+    return context_free(gold_N, shown_N, logp_V=logp_V, spec=collator.spec)

@@ -46,6 +46,17 @@ def plot_scores(table: dict, steps: list[int], tasks: list[str], path: Path) -> 
     return path
 
 
+# What the held-out MLM figures are (experiment.heldout_mlm): said once, in both reports.
+HELDOUT_MEANING = (
+    "Held-out figures: each run's own evaluation (train.py --eval_data; eval/LANG/mlm_acc and eval/LANG/mlm_loss "
+    "at the checkpoint's step) of the first held-out samples of each language, masked as in training (15% of the "
+    "tokens: 80% [MASK], 10% a random token, 10% kept), the same positions for every model of a shard format. "
+    "The floor is the accuracy of a model that uses no context on those positions: it knows the pre-training "
+    "text's token frequencies and the masking rule (at [MASK] the most frequent token; elsewhere the token shown, "
+    "unless it is very rare)."
+)
+
+
 def _masked(accs: dict) -> str:
     return " / ".join(str(v["masked"]) for v in accs.values())
 
@@ -109,9 +120,9 @@ def _start_md(rep: dict) -> list[str]:
         + f"; {rep['timings'].get('runs/mlm', 0) / 60:.1f} minutes. Left the floor: "
         + ", ".join(f"{lang} {'yes' if left_floor(v) else 'no'}" for lang, v in start.items())
         + f" (by more than {FLOOR_SE} binomial standard errors of the floor over {_masked(start)} masked positions). "
-        "The floor is always predicting the held-out text's most frequent token at the same masked positions. "
-        "Held-out [MASK] cross-entropy against a unigram model of the pre-training text on the same positions "
-        "(below it, the model uses context): "
+        + HELDOUT_MEANING
+        + " Held-out cross-entropy against the context-free model's on the same positions (below it, the model "
+        "uses context): "
         + ", ".join(
             f"{lang} {v['cross_entropy']:.2f} vs {v['unigram_cross_entropy']:.2f} nats "
             f"({v['cross_entropy'] - v['unigram_cross_entropy']:+.2f})"
@@ -141,7 +152,7 @@ def _heldout_table(heldout: dict, start: dict) -> list[str]:
             + " |"
         )
     L.append(
-        "| unigram of the pre-training text | "
+        "| context-free (unigram + masking rule) | "
         + " | ".join("–" for _ in start.values())
         + " | "
         + " | ".join(f"{v['unigram_cross_entropy']:.2f}" for v in start.values())
@@ -387,9 +398,10 @@ def start_markdown(rep: dict) -> str:
         f"tokens/s: {rep['timings_s']['runs/mlm'] / 60:.1f} minutes. It {verdict}.",
         "",
         f"Left the floor: above it by more than {FLOOR_SE} binomial standard errors over "
-        f"{_masked(rows[0]['heldout_mlm'])} held-out masked positions; the floor is always predicting the held-out "
-        "text's most frequent token. Cross-entropy (nats) at the same positions, beside a unigram model of the "
-        "pre-training text: below it, the model uses context.",
+        f"{_masked(rows[0]['heldout_mlm'])} held-out masked positions. "
+        + HELDOUT_MEANING
+        + " Cross-entropy (nats) at the same positions, beside the context-free model's: below it, the model uses "
+        "context.",
         "",
         *_start_rows_md(rows),
         "",

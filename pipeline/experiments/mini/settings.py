@@ -33,6 +33,9 @@ PROG = "python -m pipeline.experiments.mini"
 # scratch, and TaCL's two arms continued from the start.
 ARMS = ("mlm", "taco", "cont_mlm", "cont_tacl")
 MIN_VOCAB, MAX_VOCAB = 100, 1 << 20  # the shard builder's range for a vocabulary it trains
+# Held-out samples per language that every run's own evaluation reads at each checkpoint (the first ones
+# of the language's held-out shards): as many as the 64 blocks the committed runs' scorer read.
+HELDOUT_SAMPLES = 64
 
 
 def _fractions(text: str) -> tuple:

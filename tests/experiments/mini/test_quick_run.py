@@ -118,6 +118,33 @@ def test_every_model_task_and_seed_is_a_computed_score(mini):
     assert rep["budget_minutes"]["total"] == pytest.approx(sum(rep["timings_s"].values()) / 60, rel=1e-6)
 
 
+def test_held_out_figures_are_each_runs_own_evaluation_at_the_checkpoint(mini):
+    """The report's held-out accuracy, cross-entropy and masked positions of every model are the eval/LANG/
+    fields of its run's RUN/metrics.jsonl at the model's step; every run evaluated the held-out shards
+    of its own format, built from the held-out documents, at every checkpoint."""
+    rep, out = mini["report"], mini["out"]
+    steps, cont = rep["curve_steps"], rep["settings"]["pretrain"]["continue_steps"]
+    models = {**{f"{a}@{s}": (a, s) for a in ("mlm", "taco") for s in steps}, "cont_mlm": ("cont_mlm", cont),
+              "cont_tacl": ("cont_tacl", cont)}  # fmt: skip
+    for label, (arm, step) in models.items():
+        run = out / "runs" / arm / "run"
+        rows = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+        fmt = "packed" if arm in ("mlm", "taco") else "nsp"
+        ran = json.loads((run / "config.json").read_text())["eval"]
+        assert ran["eval_data"] == [f"{x}={out / 'shards' / f'heldout_{fmt}_{x}' / 'mds'}" for x in ("en", "zh")]
+        assert ran["eval_every"] == json.loads((run / "config.json").read_text())["run"]["save_every"]
+        assert {s for s, r in rows.items() if "eval/en/mlm_loss" in r} >= (set(steps) if fmt == "packed" else {cont})
+        for lang in ("en", "zh"):
+            got, logged = rep["heldout_mlm"][label][lang], rows[step]
+            assert got["accuracy"] == logged[f"eval/{lang}/mlm_acc"], (label, lang)
+            assert got["cross_entropy"] == logged[f"eval/{lang}/mlm_loss"], (label, lang)
+            assert got["masked"] == logged[f"eval/{lang}/masked"] and got["samples"] == logged[f"eval/{lang}/samples"]
+    for fmt in ("packed", "nsp"):
+        for lang in ("en", "zh"):
+            built = json.loads((out / "shards" / f"heldout_{fmt}_{lang}" / "stage.json").read_text())["result"]
+            assert built["documents_written"] == rep["text"][lang]["heldout_documents"], (fmt, lang)
+
+
 def test_verdicts_follow_their_rules_from_the_numbers(mini):
     rep = mini["report"]
     table, steps = rep["downstream"], rep["curve_steps"]
@@ -180,8 +207,8 @@ def test_a_rerun_keeps_the_finished_stages_and_a_changed_knob_reruns_what_depend
         if line.endswith("(done before with the same settings)")
     }
     # Text, shards, pre-training and analysis do not depend on the fine-tuning seeds ...
-    assert {"data", "tokenizer", "shards/packed_en", "shards/nsp_zh", "runs/mlm", "runs/taco", "runs/cont_mlm",
-            "runs/cont_tacl", "analysis"} <= kept, stdout  # fmt: skip
+    assert {"data", "tokenizer", "shards/packed_en", "shards/nsp_zh", "shards/heldout_nsp_zh", "runs/mlm", "runs/taco",
+            "runs/cont_mlm", "runs/cont_tacl", "analysis"} <= kept, stdout  # fmt: skip
     # ... every fine-tuning stage does.
     assert not [k for k in kept if k.startswith("downstream/")], stdout
     rep = json.loads((out / "report.json").read_text())
@@ -191,11 +218,11 @@ def test_a_rerun_keeps_the_finished_stages_and_a_changed_knob_reruns_what_depend
 
 def test_start_only_scores_the_start_at_every_checkpoint_reusing_the_stages(mini, data):
     # --start_only on the same folder and settings: nothing is pre-trained again, and its held-out numbers
-    # are the full report's for the same checkpoints (the same blocks and positions).
+    # are the full report's for the same checkpoints (the run's own evaluation, the same reference).
     out, full = mini["out"], mini["report"]
     stdout = reproduce(out, *data, "--start_only")
     kept = {line.split()[1].rstrip(":") for line in stdout.splitlines() if line.endswith("same settings)")}
-    assert {"data", "tokenizer", "shards/packed_en", "shards/packed_zh", "runs/mlm"} <= kept, stdout
+    assert {"data", "tokenizer", "shards/packed_en", "shards/heldout_packed_zh", "runs/mlm"} <= kept, stdout
     assert "runs/taco" not in stdout and "downstream/" not in stdout, stdout
     rep = json.loads((out / "start.json").read_text())
     steps = full["curve_steps"]

@@ -179,49 +179,96 @@ def test_split_language_holds_out_the_last_documents_and_shares_bytes_equally(tm
         split_language([long_docs], budget_bytes=10, heldout_docs=10)
 
 
-def test_heldout_cross_entropy_and_unigram_match_a_direct_computation(tmp_path):
+def test_unigram_of_the_pretraining_text_is_add_half_smoothed(tmp_path):
     import math
-    import random
 
-    import torch
-    from transformers import AutoModelForMaskedLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from pipeline.experiments.mini.heldout import (
-        heldout_blocks,
-        mask_positions,
-        mlm_accuracy,
-        prepare,
-        unigram_log_probs,
-    )
-    from tests.support.tiny_bert import write_tiny_bert
+    from pipeline.experiments.mini.heldout import unigram_log_probs
+    from tests.support.tiny_bert import write_tokenizer
 
-    words = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran"]
-    rng = random.Random(0)
-    docs = [[" ".join(rng.choices(words, weights=[8, 2, 2, 3, 4, 1, 2, 1], k=12)) for _ in range(4)] for _ in range(6)]
-    held = tmp_path / "heldout.txt"
-    held.write_text("\n\n".join("\n".join(d) for d in docs) + "\n", encoding="utf-8")
+    write_tokenizer(tmp_path / "tok", ["the", "cat", "sat", "on", "a", "mat", "dog", "ran"])
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
     train = tmp_path / "train.txt"
     train.write_text("the cat sat on the mat\nthe the dog\n", encoding="utf-8")
-    model_dir = write_tiny_bert(tmp_path / "m", words)
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
     logp_V = unigram_log_probs(tok, train)
     # add-half smoothing over the whole vocabulary: the (4), cat sat on mat dog (1 each): 9 training tokens
     V = len(tok)
     assert math.exp(logp_V[tok.convert_tokens_to_ids("the")]) == pytest.approx(4.5 / (9 + 0.5 * V))
     assert math.exp(logp_V[tok.convert_tokens_to_ids("ran")]) == pytest.approx(0.5 / (9 + 0.5 * V))
 
-    got = mlm_accuracy(model_dir, prepare(tok, held, train, max_seq_len=16, seed=3))
-    ids = heldout_blocks(tok, held, max_seq_len=16, max_blocks=64)
-    m = mask_positions(ids, seed=3)
-    model = AutoModelForMaskedLM.from_pretrained(model_dir).eval()
-    with torch.no_grad():
-        logits = model(input_ids=ids.masked_fill(m, tok.mask_token_id)).logits[m]
-    gold = ids[m]
-    assert got["masked"] == len(gold) > 10
-    assert got["cross_entropy"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, gold)), rel=1e-5)
-    assert got["accuracy"] == pytest.approx(float((logits.argmax(-1) == gold).float().mean()))
-    assert got["unigram_cross_entropy"] == pytest.approx(float(-logp_V[gold].mean()), rel=1e-9)
+
+def test_the_context_free_reference_is_the_masking_rules_posterior():
+    """The floor and reference cross-entropy against a brute-force posterior: every gold token and every
+    masking action (80% [MASK], 10% a random token of the pool, 10% kept) that could show what was shown."""
+    import math
+
+    import torch
+
+    from pipeline.data.masking import MaskingSpec
+    from pipeline.experiments.mini.heldout import context_free
+
+    spec = MaskingSpec(mask_token_id=4, special_ids=(0, 1, 2, 3, 4), vocab_size=12)
+    pool = [int(t) for t in spec.replacement_pool()]  # 5 .. 11
+    counts = torch.tensor(
+        [9.0, 9, 9, 9, 9, 50, 20, 10, 5, 2, 1, 0.01], dtype=torch.float64
+    )  # specials get no mass below
+    logp_V = (counts / counts.sum()).log()
+    u = {t: float(counts[t]) / float(sum(counts[t] for t in pool)) for t in pool}
+
+    def posterior(shown: int) -> dict[int, float]:
+        joint = {g: u[g] * (0.8 * (shown == 4) + 0.1 * (shown == g) + 0.1 * (shown in pool) / len(pool)) for g in pool}
+        return {g: p / sum(joint.values()) for g, p in joint.items()}
+
+    # [MASK] shown; kept tokens (7 is copied; 8 and 11 are too rare: u(x) (1 + 1/R) < u(5) / R); a random
+    # replacement (5 shown for 9); a random replacement too rare to copy (11 shown for 5)
+    gold = [5, 6, 10, 7, 8, 11, 9, 5]
+    shown = [4, 4, 4, 7, 8, 11, 5, 11]
+    got = context_free(torch.tensor(gold), torch.tensor(shown), logp_V=logp_V, spec=spec)
+    best = [max(posterior(x), key=posterior(x).get) for x in shown]
+    assert best == [5, 5, 5, 7, 5, 5, 5, 5]
+    assert got["floor"] == pytest.approx(sum(b == g for b, g in zip(best, gold)) / len(gold))
+    ce = sum(-math.log(posterior(x)[g]) for g, x in zip(gold, shown)) / len(gold)
+    assert got["unigram_cross_entropy"] == pytest.approx(ce, rel=1e-9) and got["masked"] == len(gold)
+
+
+def test_the_reference_masks_the_held_out_samples_as_the_trainer_does(tmp_path):
+    """heldout.masking_collator, from RUN/config.json, against the trainer's own collator of the same run
+    (a seed and a masking share that are not the defaults): the same gold and shown tokens."""
+    import numpy as np
+    import torch
+    from transformers import AutoTokenizer
+
+    from pipeline.data.shards import DataInfo
+    from pipeline.experiments.mini.heldout import masked_tokens, masking_collator
+    from pipeline.training.config import parse_args as train_args
+    from pipeline.training.preflight import Prepared
+    from pipeline.training.trainer import make_collator
+    from tests.support.tiny_bert import write_tokenizer
+
+    words = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran"]
+    write_tokenizer(tmp_path / "tok", words)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    ds = str(CONFIGS / "deepspeed_fp32.json")
+    cfg = train_args(["--data", "d", "--save_dir", str(tmp_path / "run"), "--ds_config", ds, "--model_config", "tiny",
+                      "--max_steps", "1", "--seed", "7", "--mask_prob", "0.3", "--objective", "mlm"])  # fmt: skip
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps(cfg.to_dict(), default=str))
+    info = DataInfo(sources=[], format="packed", max_seq_len=16, tokenizer_dir=None, manifest_vocab_size=None)
+    prep = Prepared(cfg=cfg, ds_config={}, data=info, use_nsp=False, tokenizer=tok, tokenizer_dir=str(tmp_path / "tok"),
+                    bert_config=None, world_size=1, resume_from=None)  # fmt: skip
+    rng = np.random.default_rng(0)
+    samples = []
+    for i in range(6):  # packed blocks holding two documents each ([SEP] inside): the trainer cuts them
+        ids = [tok.cls_token_id, *rng.integers(5, len(tok), 6), tok.sep_token_id, *rng.integers(5, len(tok), 7)]
+        ids.append(tok.sep_token_id)
+        samples.append({"input_ids": np.array(ids), "token_type_ids": np.zeros(16, np.int64), "sample_id": 100 + i})
+    theirs, ours = (
+        masked_tokens(make_collator(prep)(samples)),
+        masked_tokens(masking_collator(tok, tmp_path / "run")(samples)),
+    )
+    assert len(ours[0]) == 6 * round(0.3 * 13) and int((ours[1] == tok.mask_token_id).sum()) > 0
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
 
 
 @pytest.mark.parametrize(
